@@ -1,0 +1,1 @@
+"""Ingest: producer SDK, embedded broker, stream processor and load generator."""

@@ -1,0 +1,116 @@
+"""Plain data of the pure core: fragments, rollouts and groups as the processor assembles them.
+
+Nothing here knows Kafka or Delta; the group stage fills these from events, replay fills
+them from the `events` archive, and unit tests build them by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+RolloutStatus = Literal["completed", "truncated", "aborted"]
+Decision = Literal["kept", "dropped", "surplus"]
+
+
+@dataclass(slots=True)
+class Fragment:
+    """One training sample: a whole rollout, or one piece of a compacted rollout."""
+
+    rollout_id: int
+    fragment_index: int
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    loss_mask: list[int] | None = None  # None means all ones
+    rollout_log_probs: list[float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_tokens)
+
+    @property
+    def effective_response_length(self) -> int:
+        """Loss-masked tokens (Miles `effective_response_length`)."""
+        return self.response_length if self.loss_mask is None else sum(self.loss_mask)
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One trajectory (episode) of a group, with all fragments that have arrived so far."""
+
+    rollout_id: int
+    fragments: dict[int, Fragment] = field(default_factory=dict)
+    fragment_count: int | None = None  # known once sample_finished arrived
+    status: RolloutStatus | None = None  # None until finished or aborted
+    sample_index: int | None = None
+    reward: Any = None  # int / float / bool / dict / None, as sent
+    reward_known: bool = False  # a null reward is known (scoring failed)
+    weight_version: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    abort_reason: str | None = None
+    aborted_after_seal: bool = False  # a `cancelled` abort sent once its step was sealed
+
+    @property
+    def aborted(self) -> bool:
+        return self.status == "aborted"
+
+    @property
+    def complete(self) -> bool:
+        """Aborted, or every fragment present with a known reward (null included)."""
+        if self.aborted:
+            return True
+        return (
+            self.status is not None
+            and self.fragment_count is not None
+            and len(self.fragments) == self.fragment_count
+            and self.reward_known
+        )
+
+    def ordered_fragments(self) -> list[Fragment]:
+        return [self.fragments[i] for i in sorted(self.fragments)]
+
+
+@dataclass(slots=True)
+class Group:
+    """The `n_samples` rollouts of one prompt in one run."""
+
+    run_id: str
+    group_index: int
+    step: int | None = None  # from group_started
+    n_samples: int | None = None  # from group_started
+    started: bool = False
+    prompt: Any = None
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rollouts: dict[int, Rollout] = field(default_factory=dict)
+    first_event_at: float = 0.0  # ingestion time of the first event, seconds since the epoch
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.started
+            and self.n_samples is not None
+            and len(self.rollouts) == self.n_samples
+            and all(r.complete for r in self.rollouts.values())
+        )
+
+    def ordered_rollouts(self) -> list[Rollout]:
+        """Rollouts in Miles order: by `sample_index` where known, else by `rollout_id`."""
+        return sorted(
+            self.rollouts.values(),
+            key=lambda r: (r.sample_index is None, r.sample_index or 0, r.rollout_id),
+        )
+
+    def first_sample_index(self) -> int | None:
+        indices = [r.sample_index for r in self.rollouts.values() if r.sample_index is not None]
+        return min(indices) if indices else None
+
+
+@dataclass(frozen=True, slots=True)
+class FilterVerdict:
+    """What the filter chain decided for one group (before step assignment)."""
+
+    keep: bool
+    reason: str | None = None
+    counted: bool = True  # Miles: a drop with a None/empty reason is not counted

@@ -1,0 +1,159 @@
+"""The Delta Lake side: one `Lake` per root folder (local or s3://), exactly-once appends.
+
+Exactly once comes from Delta, not Kafka: each commit carries the source positions it
+covers as app transactions (`app_id` -> last offset). Before committing, the writer reads
+the recorded version and drops the commit when it is not newer, because delta-rs accepts
+a lower version silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+from schemas.tables import TABLES, TableSpec
+
+log = logging.getLogger(__name__)
+
+MAX_COMMIT_RETRIES = 10
+
+
+@dataclass(frozen=True)
+class TxnMark:
+    """One source position a commit covers: `app_id` advanced to `version`."""
+
+    app_id: str
+    version: int
+
+
+class Lake:
+    """A folder of Delta tables named after `schemas.tables.TABLES`."""
+
+    def __init__(self, root: str | Path, storage_options: Mapping[str, str] | None = None):
+        self.root = str(root).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._tables: dict[str, DeltaTable] = {}
+
+    def uri(self, table: str) -> str:
+        return f"{self.root}/{table}"
+
+    def spec(self, table: str) -> TableSpec:
+        return TABLES[table]
+
+    def ensure(self, table: str) -> DeltaTable:
+        """Open the table, creating it empty with its contract schema on first use."""
+        dt = self._tables.get(table)
+        if dt is not None:
+            return dt
+        spec = self.spec(table)
+        if not self.is_local or Path(self.uri(table)).exists():
+            try:
+                dt = DeltaTable(self.uri(table), storage_options=self.storage_options or None)
+            except TableNotFoundError:
+                dt = None
+        if dt is None:
+            if self.is_local:
+                Path(self.uri(table)).mkdir(parents=True, exist_ok=True)
+            dt = DeltaTable.create(
+                self.uri(table),
+                schema=spec.schema,
+                partition_by=list(spec.partition_by) or None,
+                mode="ignore",
+                name=spec.name,
+                storage_options=self.storage_options or None,
+            )
+        self._tables[table] = dt
+        return dt
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.root or self.root.startswith("file://")
+
+    def exists(self, table: str) -> bool:
+        if table in self._tables:
+            return True
+        return DeltaTable.is_deltatable(self.uri(table), storage_options=self.storage_options or None)
+
+    def refresh(self, table: str) -> DeltaTable:
+        dt = self.ensure(table)
+        dt.update_incremental()
+        return dt
+
+    def txn_version(self, table: str, app_id: str) -> int | None:
+        return self.refresh(table).transaction_version(app_id)
+
+    def append(self, table: str, rows: pa.Table, marks: Iterable[TxnMark] = ()) -> int | None:
+        """Append `rows` with `marks` in one commit, unless every mark is already recorded.
+
+        Returns the new table version, or None when the commit was skipped as a replay.
+        A mark whose recorded version is already >= its version is left out of the commit;
+        callers filter their rows per mark beforehand (`rows_after`), so a partially
+        covered batch never duplicates rows.
+        """
+        marks = list(marks)
+        spec = self.spec(table)
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        for attempt in range(MAX_COMMIT_RETRIES):
+            dt = self.refresh(table)
+            fresh = [m for m in marks if (dt.transaction_version(m.app_id) or -1) < m.version]
+            if marks and not fresh:
+                return None
+            if rows.num_rows == 0 and not fresh:
+                return None
+            try:
+                write_deltalake(
+                    dt,
+                    rows,
+                    mode="append",
+                    commit_properties=CommitProperties(
+                        app_transactions=[Transaction(m.app_id, m.version) for m in fresh]
+                    ),
+                    storage_options=self.storage_options or None,
+                )
+            except CommitFailedError:
+                log.warning("concurrent commit on %s, retrying (%d)", table, attempt + 1)
+                continue
+            dt.update_incremental()
+            return dt.version()
+        raise CommitFailedError(f"{table}: gave up after {MAX_COMMIT_RETRIES} concurrent commits")
+
+    def version(self, table: str) -> int:
+        return self.refresh(table).version()
+
+    def read(
+        self,
+        table: str,
+        *,
+        filter: pc.Expression | None = None,
+        columns: list[str] | None = None,
+        version: int | None = None,
+    ) -> pa.Table:
+        """Read a table (optionally at a version) with a pushed-down filter."""
+        if not self.exists(table):
+            spec = self.spec(table)
+            empty = spec.empty()
+            return empty.select(columns) if columns else empty
+        if version is None:
+            dt = self.refresh(table)
+        else:
+            dt = DeltaTable(
+                self.uri(table), version=version, storage_options=self.storage_options or None
+            )
+        dataset: ds.Dataset = dt.to_pyarrow_dataset()
+        return dataset.to_table(filter=filter, columns=columns)
+
+
+def rows_after(rows: pa.Table, offsets: pa.Array | list[int], recorded: int | None) -> pa.Table:
+    """Keep the rows whose source offset is newer than the recorded transaction version."""
+    if recorded is None:
+        return rows
+    mask = pc.greater(pa.array(offsets, type=pa.int64()), pa.scalar(recorded, pa.int64()))
+    return rows.filter(mask)

@@ -1,0 +1,223 @@
+"""Arrow schemas of every Delta table in CONTRACT section 4, and the step content hash.
+
+Each table is declared once here; writers, readers, the trainer and the tests all take
+their column lists from `TABLES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+UTC_MICROS = pa.timestamp("us", tz="UTC")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One Delta table of the lake: its folder name, Arrow schema and key columns."""
+
+    name: str
+    schema: pa.Schema
+    key: tuple[str, ...]
+    partition_by: tuple[str, ...] = ()
+
+    def empty(self) -> pa.Table:
+        return self.schema.empty_table()
+
+
+def _f(name: str, type_: pa.DataType, nullable: bool = True) -> pa.Field:
+    return pa.field(name, type_, nullable=nullable)
+
+
+EVENTS = TableSpec(
+    "events",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("event_id", pa.string(), False),
+            _f("type", pa.string(), False),
+            _f("group_index", pa.int64()),
+            _f("rollout_id", pa.int64()),
+            _f("topic", pa.string(), False),
+            _f("partition", pa.int32(), False),
+            _f("offset", pa.int64(), False),
+            _f("ingested_at", UTC_MICROS, False),
+            _f("payload", pa.string(), False),
+        ]
+    ),
+    key=("run_id", "event_id"),
+    partition_by=("run_id",),
+)
+
+GROUPS = TableSpec(
+    "groups",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("group_index", pa.int64(), False),
+            _f("step", pa.int64()),
+            _f("n_samples", pa.int32()),
+            _f("decision", pa.string(), False),  # kept / dropped / surplus
+            _f("reason", pa.string()),
+            _f("batch_step", pa.int64()),
+            _f("decided_at", UTC_MICROS, False),
+            _f("mean_reward", pa.float64()),
+            # Extensions: when the group's first event arrived, and its fragment count.
+            _f("first_event_at", UTC_MICROS),
+            _f("n_fragments", pa.int32()),
+        ]
+    ),
+    key=("run_id", "group_index"),
+    partition_by=("run_id",),
+)
+
+SAMPLES = TableSpec(
+    "samples",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("group_index", pa.int64(), False),
+            _f("rollout_id", pa.int64(), False),
+            _f("fragment_index", pa.int32(), False),
+            _f("status", pa.string(), False),  # completed / truncated / aborted / missing
+            _f("reward", pa.float64()),
+            _f("response_length", pa.int32(), False),
+            _f("decision", pa.string(), False),
+            _f("reason", pa.string()),
+            # Extensions for audit: the group's step, Miles `index`, abort reason.
+            _f("step", pa.int64()),
+            _f("sample_index", pa.int64()),
+            _f("abort_reason", pa.string()),
+        ]
+    ),
+    key=("run_id", "group_index", "rollout_id", "fragment_index"),
+    partition_by=("run_id",),
+)
+
+TRAINING_BATCHES = TableSpec(
+    "training_batches",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("step", pa.int64(), False),
+            _f("position", pa.int32(), False),
+            _f("group_index", pa.int64(), False),
+            _f("rollout_id", pa.int64(), False),
+            _f("sample_index", pa.int64()),
+            _f("fragment_index", pa.int32(), False),
+            _f("prompt_tokens", pa.list_(pa.int32()), False),
+            _f("response_tokens", pa.list_(pa.int32()), False),
+            _f("loss_mask", pa.list_(pa.int8()), False),
+            _f("rollout_log_probs", pa.list_(pa.float32())),
+            _f("reward", pa.float64()),
+            _f("advantage", pa.float64(), False),
+            _f("status", pa.string(), False),
+            _f("weight_version", pa.int64()),
+        ]
+    ),
+    key=("run_id", "step", "position"),
+    partition_by=("run_id",),
+)
+
+STEPS = TableSpec(
+    "steps",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("step", pa.int64(), False),
+            _f("n_groups", pa.int32(), False),
+            _f("n_samples", pa.int32(), False),  # training rows (fragments) in the batch
+            _f("sealed_at", UTC_MICROS, False),
+            _f("batch_version", pa.int64(), False),
+            _f("content_sha256", pa.string(), False),
+            _f("n_rollouts", pa.int32()),
+            _f("n_tokens", pa.int64()),
+        ]
+    ),
+    key=("run_id", "step"),
+    partition_by=("run_id",),
+)
+
+STEP_METRICS = TableSpec(
+    "step_metrics",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("step", pa.int64(), False),
+            _f("key", pa.string(), False),
+            _f("value", pa.float64(), False),
+        ]
+    ),
+    key=("run_id", "step", "key"),
+    partition_by=("run_id",),
+)
+
+DEAD_LETTERS = TableSpec(
+    "dead_letters",
+    pa.schema(
+        [
+            _f("topic", pa.string(), False),
+            _f("partition", pa.int32(), False),
+            _f("offset", pa.int64(), False),
+            _f("error", pa.string(), False),
+            _f("raw", pa.binary()),
+            _f("at", UTC_MICROS, False),
+            # Extensions so operators can find a run's rejects without parsing `raw`.
+            _f("run_id", pa.string()),
+            _f("group_index", pa.int64()),
+        ]
+    ),
+    key=("topic", "partition", "offset"),
+)
+
+TABLES: dict[str, TableSpec] = {
+    spec.name: spec
+    for spec in (EVENTS, GROUPS, SAMPLES, TRAINING_BATCHES, STEPS, STEP_METRICS, DEAD_LETTERS)
+}
+
+# Columns of `training_batches` that make up a step's content (everything but the keys
+# that locate the rows; position order is part of the hash through row order).
+CONTENT_COLUMNS = tuple(
+    name for name in TRAINING_BATCHES.schema.names if name not in ("run_id", "step")
+)
+
+
+def _column_digest(h: hashlib._Hash, column: pa.ChunkedArray | pa.Array) -> None:
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(arr.type):
+        lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
+        h.update(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
+        values = pc.list_flatten(arr)
+        h.update(
+            np.ascontiguousarray(values.to_numpy(zero_copy_only=False)).astype(
+                values.type.to_pandas_dtype(), copy=False
+            ).tobytes()
+        )
+        return
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    h.update(np.packbits(valid).tobytes())
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        filled = pc.fill_null(arr, "")
+        h.update(np.ascontiguousarray(pc.utf8_length(filled).to_numpy(), dtype="<i8").tobytes())
+        h.update("".join(filled.to_pylist()).encode())
+        return
+    zero = pa.scalar(0, arr.type)
+    h.update(np.ascontiguousarray(pc.fill_null(arr, zero).to_numpy(zero_copy_only=False)).tobytes())
+
+
+def content_sha256(rows: pa.Table) -> str:
+    """Hash of a step's `training_batches` rows in position order.
+
+    Logical, not physical: equal values give equal hashes whatever the chunking or buffer
+    layout, so the trainer can verify what it read against the `steps` row.
+    """
+    h = hashlib.sha256()
+    h.update(str(rows.num_rows).encode())
+    for name in CONTENT_COLUMNS:
+        h.update(name.encode())
+        _column_digest(h, rows.column(name).cast(TRAINING_BATCHES.schema.field(name).type))
+    return h.hexdigest()
