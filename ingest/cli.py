@@ -1,0 +1,82 @@
+"""The `rolloutlake` command: one subcommand per service, each module owning its flags.
+
+A subcommand module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are
+imported only when their subcommand runs, so `rolloutlake broker` does not load torch.
+Errors a user can cause end as one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import NoReturn
+
+from schemas.errors import RolloutlakeError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "broker": ("ingest.broker", "run the embedded Kafka-compatible broker (Tansu)"),
+    "schemas": ("schemas.export", "export JSON Schemas of events, print Delta table schemas"),
+    "process": ("ingest.processor.main", "run the stream processor (events -> Delta batches)"),
+    "simulate": ("ingest.simulate", "publish simulated rollout runs (load generator)"),
+    "demo": ("ingest.demo", "broker + processor + simulator for 5 steps; prints the steps"),
+    "replay": ("ingest.replay", "re-derive a run's decisions and batches from the events archive"),
+    "audit": ("ingest.audit", "show one group's events, decision and the batch rows it fed"),
+    "gateway": ("gateway.main", "run the REST gateway (FastAPI)"),
+    "up": ("gateway.up", "run the whole local stack: broker, processor, gateway"),
+    "trainer": ("trainer.main", "train on sealed batches with DeepSpeed"),
+    "wandb-sync": ("ingest.wandb_sync", "log a run's step metrics to Weights & Biases"),
+    "watch": ("ingest.watch", "live terminal table of a run's steps"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `rolloutlake process: error: ...`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="rolloutlake", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            _load(module_name).add_arguments(command)
+        command.set_defaults(_module=module_name)
+    return parser
+
+
+def _load(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise RolloutlakeError(f"{module_name} is not available: {err}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    try:
+        args = build_parser(only=command).parse_args(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        logging.getLogger("kafka").setLevel(logging.WARNING)
+        return int(_load(args._module).run(args) or 0)
+    except RolloutlakeError as err:
+        print(f"rolloutlake {command or ''}: {err}".replace("  ", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The producer SDK: rollout workers publish trajectory events through `RolloutPublisher`.
+
+Every event is validated against the contract before anything is sent, keyed so all events
+of a group share a partition, and refused with `EventTooLargeError` above 8 MiB.
+
+    with RolloutPublisher("127.0.0.1:9092") as pub:
+        pub.run_started("run-1", {"n_samples_per_prompt": 8, "rollout_batch_size": 32})
+        pub.group_started("run-1", group_index=0, step=0, n_samples=8, prompt="2+2=")
+        pub.sample_finished("run-1", group_index=0, rollout_id=0, status="completed",
+                            prompt_tokens=[...], response_tokens=[...], reward=1.0)
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from kafka.errors import KafkaError
+from kafka.producer.future import FutureRecordMetadata
+
+from ingest.kafka_io import MAX_EVENT_BYTES, KafkaSettings
+from schemas.errors import BrokerUnavailableError, EventTooLargeError
+from schemas.events import (
+    SCHEMA_VERSION,
+    AnyEvent,
+    encode_event,
+    event_group_key,
+    parse_event,
+)
+
+_UNSET: Any = object()
+
+
+class RolloutPublisher:
+    """Validating, idempotent Kafka producer of CONTRACT section 2 events."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str | KafkaSettings = "127.0.0.1:9092",
+        *,
+        producer_id: str | None = None,
+        create_topics: bool = True,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+    ):
+        self.settings = (
+            bootstrap_servers
+            if isinstance(bootstrap_servers, KafkaSettings)
+            else KafkaSettings(bootstrap_servers=bootstrap_servers)
+        )
+        self.topics = self.settings.ensure_topics() if create_topics else self.settings.topics
+        self.producer_id = producer_id
+        self.max_event_bytes = max_event_bytes
+        self._producer = self.settings.producer()
+        self._pending: list[FutureRecordMetadata] = []
+
+    # -- generic -----------------------------------------------------------------------
+
+    def build(self, event_type: str, run_id: str, **fields: Any) -> AnyEvent:
+        """Validate one event given its fields; fills `event_id`, `schema_version`, `ts`."""
+        body = {k: v for k, v in fields.items() if v is not _UNSET}
+        body.setdefault("event_id", uuid.uuid4().hex)
+        body.setdefault("ts", time.time())
+        if self.producer_id is not None:
+            body.setdefault("producer", self.producer_id)
+        body.update(type=event_type, run_id=run_id, schema_version=SCHEMA_VERSION)
+        return parse_event(body)
+
+    def publish(self, event: AnyEvent) -> FutureRecordMetadata:
+        """Send one validated event to its topic; returns the Kafka future."""
+        value = encode_event(event)
+        if len(value) > self.max_event_bytes:
+            raise EventTooLargeError(
+                f"{event.type} event {event.event_id!r} is {len(value)} bytes encoded; "
+                f"the limit is {self.max_event_bytes} bytes"
+            )
+        if event.type == "run_started":
+            topic, key = self.topics.runs, event.run_id.encode()
+        else:
+            topic, key = self.topics.events, event_group_key(event.run_id, event.group_index)
+        return self.send_raw(topic, key, value)
+
+    def send_raw(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
+        """Send pre-encoded bytes (already validated by the caller) and track the future."""
+        try:
+            future = self._producer.send(topic, key=key, value=value)
+        except KafkaError as err:
+            raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
+        self._pending.append(future)
+        if len(self._pending) > 10000:
+            self._pending = [f for f in self._pending if not f.is_done]
+        return future
+
+    def flush(self, timeout_s: float | None = 30.0) -> None:
+        """Block until every sent event is acknowledged; raise if any failed."""
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except KafkaError as err:
+            raise BrokerUnavailableError(f"flush failed: {err}") from None
+        pending, self._pending = self._pending, []
+        for future in pending:
+            if future.failed():
+                raise BrokerUnavailableError(f"an event was not acknowledged: {future.exception}")
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._producer.close()
+
+    def __enter__(self) -> RolloutPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one method per event type -----------------------------------------------------
+
+    def run_started(self, run_id: str, config: dict[str, Any], *, dataset: str | None = None,
+                    event_id: str | None = None) -> AnyEvent:
+        return self._emit("run_started", run_id, config=config, dataset=dataset or _UNSET,
+                          event_id=event_id or _UNSET)
+
+    def group_started(self, run_id: str, *, group_index: int, step: int, n_samples: int,
+                      prompt: Any = _UNSET, label: Any = _UNSET, prompt_ref: Any = _UNSET,
+                      metadata: dict[str, Any] | None = None,
+                      event_id: str | None = None) -> AnyEvent:
+        return self._emit("group_started", run_id, group_index=group_index, step=step,
+                          n_samples=n_samples, prompt=prompt, label=label,
+                          prompt_ref=prompt_ref, metadata=metadata or _UNSET,
+                          event_id=event_id or _UNSET)
+
+    def sample_finished(self, run_id: str, *, group_index: int, rollout_id: int, status: str,
+                        prompt_tokens: list[int], response_tokens: list[int],
+                        loss_mask: list[int] | None = None,
+                        rollout_log_probs: list[float] | None = None, reward: Any = _UNSET,
+                        sample_index: int | None = None, fragment_count: int = 1,
+                        fragment_index: int | None = None, weight_version: int | None = None,
+                        response_text: str | None = None,
+                        metadata: dict[str, Any] | None = None,
+                        event_id: str | None = None) -> AnyEvent:
+        """The last (or only) fragment of a rollout; leave `reward` out to send it later."""
+        return self._emit(
+            "sample_finished", run_id, group_index=group_index, rollout_id=rollout_id,
+            status=status, prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+            loss_mask=_opt(loss_mask), rollout_log_probs=_opt(rollout_log_probs), reward=reward,
+            sample_index=_opt(sample_index), fragment_count=fragment_count,
+            fragment_index=_opt(fragment_index), weight_version=_opt(weight_version),
+            response_text=_opt(response_text), metadata=metadata or _UNSET,
+            event_id=event_id or _UNSET,
+        )
+
+    def compaction_fragment(self, run_id: str, *, group_index: int, rollout_id: int,
+                            fragment_index: int, prompt_tokens: list[int],
+                            response_tokens: list[int], loss_mask: list[int] | None = None,
+                            rollout_log_probs: list[float] | None = None,
+                            metadata: dict[str, Any] | None = None,
+                            event_id: str | None = None) -> AnyEvent:
+        return self._emit(
+            "compaction_fragment", run_id, group_index=group_index, rollout_id=rollout_id,
+            fragment_index=fragment_index, prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens, loss_mask=_opt(loss_mask),
+            rollout_log_probs=_opt(rollout_log_probs), metadata=metadata or _UNSET,
+            event_id=event_id or _UNSET,
+        )
+
+    def reward(self, run_id: str, *, group_index: int, rollout_id: int, reward: Any,
+               event_id: str | None = None) -> AnyEvent:
+        return self._emit("reward", run_id, group_index=group_index, rollout_id=rollout_id,
+                          reward=reward, event_id=event_id or _UNSET)
+
+    def sample_aborted(self, run_id: str, *, group_index: int, rollout_id: int, reason: str,
+                       response_tokens: list[int] | None = None, recyclable: bool = False,
+                       event_id: str | None = None) -> AnyEvent:
+        return self._emit("sample_aborted", run_id, group_index=group_index,
+                          rollout_id=rollout_id, reason=reason,
+                          response_tokens=_opt(response_tokens), recyclable=recyclable,
+                          event_id=event_id or _UNSET)
+
+    def _emit(self, event_type: str, run_id: str, **fields: Any) -> AnyEvent:
+        event = self.build(event_type, run_id, **fields)
+        self.publish(event)
+        return event
+
+
+def _opt(value: Any) -> Any:
+    """Leave an optional field out of the event rather than sending an explicit null."""
+    return _UNSET if value is None else value
