@@ -150,10 +150,3 @@ class Lake:
         dataset: ds.Dataset = dt.to_pyarrow_dataset()
         return dataset.to_table(filter=filter, columns=columns)
 
-
-def rows_after(rows: pa.Table, offsets: pa.Array | list[int], recorded: int | None) -> pa.Table:
-    """Keep the rows whose source offset is newer than the recorded transaction version."""
-    if recorded is None:
-        return rows
-    mask = pc.greater(pa.array(offsets, type=pa.int64()), pa.scalar(recorded, pa.int64()))
-    return rows.filter(mask)

@@ -47,6 +47,8 @@ EVENTS = TableSpec(
             _f("offset", pa.int64(), False),
             _f("ingested_at", UTC_MICROS, False),
             _f("payload", pa.string(), False),
+            # Extension: the step of a `group_started` (prompts issued per step).
+            _f("step", pa.int64()),
         ]
     ),
     key=("run_id", "event_id"),
@@ -174,9 +176,38 @@ DEAD_LETTERS = TableSpec(
     key=("topic", "partition", "offset"),
 )
 
+TRAINER_STEPS = TableSpec(
+    "trainer_steps",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("step", pa.int64(), False),
+            _f("batch_version", pa.int64(), False),  # the training_batches version trained on
+            _f("content_sha256", pa.string(), False),  # verified against the steps row
+            _f("loss", pa.float64(), False),
+            _f("pg_loss", pa.float64(), False),
+            _f("pg_clipfrac", pa.float64(), False),
+            _f("pg_clipfrac_low", pa.float64(), False),
+            _f("pg_clipfrac_high", pa.float64(), False),
+            _f("ppo_kl", pa.float64(), False),
+            _f("kl", pa.float64()),  # KL to the reference model; null without one
+            _f("entropy", pa.float64(), False),
+            _f("grad_norm", pa.float64(), False),
+            _f("lr", pa.float64(), False),
+            _f("tokens", pa.int64(), False),  # prompt + response tokens of the step
+            _f("loss_tokens", pa.int64(), False),
+            _f("seconds", pa.float64(), False),  # forward, backward and optimizer step
+            _f("update", pa.int64(), False),  # optimizer updates so far (weights version)
+            _f("trained_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("run_id", "step"),
+    partition_by=("run_id",),
+)
+
 TABLES: dict[str, TableSpec] = {
     spec.name: spec
-    for spec in (EVENTS, GROUPS, SAMPLES, TRAINING_BATCHES, STEPS, STEP_METRICS, DEAD_LETTERS)
+    for spec in (EVENTS, GROUPS, SAMPLES, TRAINING_BATCHES, STEPS, STEP_METRICS, DEAD_LETTERS, TRAINER_STEPS)
 }
 
 # Columns of `training_batches` that make up a step's content (everything but the keys
@@ -221,3 +252,68 @@ def content_sha256(rows: pa.Table) -> str:
         h.update(name.encode())
         _column_digest(h, rows.column(name).cast(TRAINING_BATCHES.schema.field(name).type))
     return h.hexdigest()
+
+
+# Gateway tables (docs/gateway.md). A dataset is stored as one Delta table per dataset
+# under `datasets/<name>` with this schema; each upload is a new version (time travel).
+DATASET_ROWS = TableSpec(
+    "dataset_rows",
+    pa.schema(
+        [
+            _f("row", pa.int64(), False),  # 0-based position in this dataset version
+            _f("source_line", pa.int64(), False),  # 1-based JSONL line or Parquet row
+            _f("prompt", pa.string(), False),  # JSON: a string or a list of chat messages
+            _f("label", pa.string()),  # JSON, null when no label key was given
+            _f("metadata", pa.string(), False),  # JSON object (tools under "tools")
+            _f("prompt_len", pa.int64(), False),  # tokens or characters, see `length_unit`
+        ]
+    ),
+    key=("row",),
+)
+
+# The prompt-serving cursor of each run: one row per committed batch of requests; the row
+# with the highest `seq` is the current state. `seq` is also the Delta app-transaction
+# version (`prompt-cursor-<run_id>`), so a replayed commit is skipped.
+PROMPT_CURSOR = TableSpec(
+    "prompt_cursor",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("seq", pa.int64(), False),
+            _f("dataset", pa.string(), False),
+            _f("dataset_version", pa.int64(), False),
+            _f("seed", pa.int64(), False),
+            _f("shuffle", pa.bool_(), False),
+            _f("epoch", pa.int64(), False),
+            _f("offset", pa.int64(), False),
+            _f("next_group_index", pa.int64(), False),
+            _f("recycle_rows", pa.list_(pa.int64()), False),  # FIFO of dataset rows
+            _f("recycle_groups", pa.list_(pa.int64()), False),  # their original groups
+            _f("issued_groups", pa.list_(pa.int64()), False),  # groups issued by this commit
+            _f("issued_rows", pa.list_(pa.int64()), False),  # and their dataset rows
+            _f("committed_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("run_id", "seq"),
+    partition_by=("run_id",),
+)
+
+TABLES.update({spec.name: spec for spec in (DATASET_ROWS, PROMPT_CURSOR)})
+
+# Appended for `rolloutlake wandb-sync`: one row per batch of steps logged to Weights &
+# Biases. Its Delta txn (app id `wandb-sync/<project>/<wandb run id>`, version = the last
+# logged step) is the durable resume point, so a restarted sync never re-logs a step.
+WANDB_SYNC = TableSpec(
+    "wandb_sync",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("wandb_run", pa.string(), False),  # "<project>/<wandb run id>"
+            _f("last_step", pa.int64(), False),
+            _f("n_steps", pa.int32(), False),
+            _f("synced_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("run_id", "wandb_run", "last_step"),
+)
+TABLES[WANDB_SYNC.name] = WANDB_SYNC

@@ -1,0 +1,332 @@
+"""Batch sealing for one run: step assignment, surplus, advantages and step metrics.
+
+`RunBatcher` is a deterministic state machine over the run's decisions in order: the same
+decisions give the same batches, byte for byte, which is what makes restarts exact. It
+returns rows to write; it never writes.
+
+Step metrics are written when a step *closes*, not when it seals: a step closes when a
+later step of the run seals (or the processor flushes on shutdown). By then the groups
+cancelled at the seal and the surplus that finished after it have been decided, so the
+bias-aware counts of a step describe that step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest.core.advantages import AdvantageRow, row_advantages
+from ingest.core.decided import DecidedGroup, DecisionHeader
+from ingest.core.metrics import (
+    MetricRow,
+    batch_metrics,
+    drop_reason_metrics,
+    raw_reward_unfiltered,
+)
+from ingest.core.model import FilterVerdict
+from schemas.events import RunConfig
+from schemas.tables import TRAINING_BATCHES, content_sha256
+
+CANCELLED_AT_SEAL = "cancelled_at_seal"
+
+
+@dataclass(slots=True)
+class SealedStep:
+    step: int
+    rows: pa.Table  # training_batches rows in position order
+    n_groups: int
+    n_rollouts: int
+    n_tokens: int
+    sealed_at: float
+    content_sha256: str
+
+
+@dataclass(slots=True)
+class StepWindow:
+    """What the metrics of one step are computed from, gathered until the step closes."""
+
+    verdicts: list[FilterVerdict] = field(default_factory=list)
+    offered_rewards: list[list[Any]] = field(default_factory=list)
+    offered: int = 0
+    kept: int = 0
+    surplus: int = 0
+    cancelled_groups: int = 0
+    cancelled_samples: int = 0
+    cancelled_lengths: list[int] = field(default_factory=list)
+    kept_lengths: list[int] = field(default_factory=list)
+    dropped_lengths: list[int] = field(default_factory=list)
+    first_event_at: float | None = None
+    batch: dict[str, float] = field(default_factory=dict)
+    sealed_at: float | None = None
+
+
+@dataclass(slots=True)
+class Effects:
+    """Rows one decision produces; the I/O shell tags them with the decision's offset."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[pa.Table] = field(default_factory=list)
+    sealed: list[SealedStep] = field(default_factory=list)
+    closed: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+
+    def extend(self, other: Effects) -> None:
+        self.groups.extend(other.groups)
+        self.samples.extend(other.samples)
+        self.sealed.extend(other.sealed)
+        self.closed.extend(other.closed)
+
+
+class RunBatcher:
+    """Assigns one run's decided groups to steps and seals batches of `rollout_batch_size`."""
+
+    def __init__(self, run_id: str, config: RunConfig):
+        self.run_id = run_id
+        self.config = config
+        self.decided: set[int] = set()
+        self.sealed: dict[int, float] = {}  # step -> sealed_at
+        self.closed: set[int] = set()
+        self.kept: dict[int, list[DecidedGroup]] = {}  # open step -> kept groups
+        self.windows: dict[int, StepWindow] = {}
+
+    # -- state ---------------------------------------------------------------------------
+
+    def window(self, step: int) -> StepWindow | None:
+        if step in self.closed:
+            return None
+        return self.windows.setdefault(step, StepWindow())
+
+    def target_step(self, step: int) -> int | None:
+        """The oldest open step within `max_staleness` of `step`, or None (surplus)."""
+        for candidate in range(step, step + self.config.max_staleness + 1):
+            if candidate not in self.sealed:
+                return candidate
+        return None
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def offer(self, group: DecidedGroup, now: float) -> Effects:
+        """Apply one decision. A repeated decision for a decided group changes nothing."""
+        header = group.header
+        effects = Effects()
+        if header.group_index in self.decided:
+            return effects
+        self.decided.add(header.group_index)
+        decision, reason, batch_step = header.decision, header.reason, None
+        step = header.step
+        if decision == "dropped" and reason == "group_has_aborted" and step is not None:
+            sealed_at = self.sealed.get(step)
+            if header.cancel_min_ts is not None and sealed_at is not None and (
+                header.cancel_min_ts >= sealed_at
+            ):
+                reason = CANCELLED_AT_SEAL
+        if decision == "kept":
+            assert step is not None  # kept groups always had their group_started
+            batch_step = self.target_step(step)
+            if batch_step is None:
+                decision = "surplus"
+        self._account(header, group.fragments, decision, reason)
+        effects.groups.append(_group_row(header, decision, reason, batch_step, group.fragments))
+        effects.samples.append(_sample_rows(header, group.fragments, decision, reason))
+        if batch_step is not None:
+            members = self.kept.setdefault(batch_step, [])
+            members.append(group)
+            if len(members) == self.config.rollout_batch_size:
+                effects.extend(self._seal(batch_step, now))
+        return effects
+
+    def _account(self, header: DecisionHeader, fragments: pa.Table, decision: str,
+                 reason: str | None) -> None:
+        if header.step is None:
+            return
+        window = self.window(header.step)
+        if window is None:
+            return  # decided after its step closed: in the tables, not in the metrics
+        if window.first_event_at is None or header.first_event_at < window.first_event_at:
+            window.first_event_at = header.first_event_at
+        lengths = fragments.column("response_length").to_pylist()
+        if reason == CANCELLED_AT_SEAL:
+            window.cancelled_groups += 1
+            statuses = fragments.column("status").to_pylist()
+            window.cancelled_samples += sum(s == "aborted" for s in statuses)
+            window.cancelled_lengths.extend(lengths)
+            return  # cancelled by the seal itself: never offered to the filter chain
+        if not header.offered:
+            window.verdicts.append(FilterVerdict(False, reason, True))
+            return
+        window.offered += 1
+        rewards = [
+            None if r is None else orjson.loads(r) for r in fragments.column("reward_json").to_pylist()
+        ]
+        window.offered_rewards.append(rewards)
+        if decision == "dropped":
+            window.verdicts.append(FilterVerdict(False, reason, header.counted))
+            window.dropped_lengths.extend(lengths)
+        elif decision == "surplus":
+            window.surplus += 1
+        else:
+            window.kept += 1
+            window.kept_lengths.extend(lengths)
+
+    def _seal(self, step: int, now: float) -> Effects:
+        members = self.kept.pop(step)
+        self.sealed[step] = now
+        members.sort(key=_batch_order)
+        rows = _training_rows(self.run_id, step, members, self.config)
+        sealed = SealedStep(
+            step=step,
+            rows=rows,
+            n_groups=len(members),
+            n_rollouts=sum(len(set(m.fragments.column("rollout_id").to_pylist())) for m in members),
+            n_tokens=int(pc.sum(pc.list_value_length(rows.column("response_tokens"))).as_py() or 0),
+            sealed_at=now,
+            content_sha256=content_sha256(rows),
+        )
+        window = self.window(step)
+        if window is not None:
+            window.sealed_at = now
+            window.batch = batch_metrics(
+                _metric_rows(members),
+                reward_key=self.config.reward_key,
+                advantage_estimator=self.config.advantage_estimator,
+            )
+        effects = Effects(sealed=[sealed])
+        earlier = [s for s in self.sealed if s < step and s not in self.closed]
+        effects.closed.extend(self._close(s) for s in sorted(earlier))
+        return effects
+
+    def _close(self, step: int) -> tuple[int, dict[str, float]]:
+        window = self.windows.pop(step, StepWindow())
+        self.closed.add(step)
+        return step, step_metrics(window, self.config)
+
+    def flush(self) -> Effects:
+        """Close every sealed step (shutdown): its metrics are as complete as they get."""
+        pending = sorted(s for s in self.sealed if s not in self.closed)
+        return Effects(closed=[self._close(s) for s in pending])
+
+
+def step_metrics(window: StepWindow, config: RunConfig) -> dict[str, float]:
+    """CONTRACT section 5 keys of one closed step."""
+    out: dict[str, float] = {}
+    out.update(drop_reason_metrics(window.verdicts))
+    out.update(raw_reward_unfiltered(window.offered_rewards, config.reward_key))
+    out.update(window.batch)
+    dropped = sum(1 for v in window.verdicts if not v.keep)
+    out["rollout/groups_offered"] = float(window.offered)
+    out["rollout/groups_kept"] = float(window.kept)
+    out["rollout/groups_surplus"] = float(window.surplus)
+    out["rollout/groups_dropped"] = float(dropped)
+    out["rollout/groups_cancelled"] = float(window.cancelled_groups)
+    out["rollout/prompts_issued"] = float(
+        window.offered + window.cancelled_groups + sum(1 for v in window.verdicts if v.reason == "group_timeout")
+    )
+    if window.sealed_at is not None and window.first_event_at is not None:
+        out["perf/rollout_time"] = max(0.0, window.sealed_at - window.first_event_at)
+    return out
+
+
+def _batch_order(group: DecidedGroup) -> tuple[int, int]:
+    """Rows of a step are ordered by the first `sample_index` of their group (else index)."""
+    indices = [i for i in group.fragments.column("sample_index").to_pylist() if i is not None]
+    first = min(indices) if indices else group.header.group_index
+    return first, group.header.group_index
+
+
+def _metric_rows(members: list[DecidedGroup]) -> list[MetricRow]:
+    rows = []
+    for member in members:
+        f = member.fragments.to_pydict()
+        for i in range(member.fragments.num_rows):
+            rows.append(
+                MetricRow(
+                    group_index=member.header.group_index,
+                    rollout_id=f["rollout_id"][i],
+                    sample_index=f["sample_index"][i],
+                    reward=None if f["reward_json"][i] is None else orjson.loads(f["reward_json"][i]),
+                    response_length=f["response_length"][i],
+                    effective_response_length=f["effective_length"][i],
+                    status=f["status"][i],
+                    metadata=orjson.loads(f["metadata_json"][i]) if f["metadata_json"][i] else {},
+                )
+            )
+    return rows
+
+
+def _training_rows(run_id: str, step: int, members: list[DecidedGroup],
+                   config: RunConfig) -> pa.Table:
+    """The step's rows in position order, with per-rollout advantages broadcast."""
+    table = pa.concat_tables(
+        [
+            m.fragments.append_column(
+                "group_index", pa.array([m.header.group_index] * m.fragments.num_rows, pa.int64())
+            )
+            for m in members
+        ]
+    )
+    n = table.num_rows
+    advantage_rows = [
+        AdvantageRow(g, r, 0.0 if w is None else w)
+        for g, r, w in zip(
+            table.column("group_index").to_pylist(),
+            table.column("rollout_id").to_pylist(),
+            table.column("reward").to_pylist(),
+            strict=True,
+        )
+    ]
+    advantages = row_advantages(advantage_rows, config.advantage_estimator,
+                                config.std_normalization)
+    generated = {
+        "run_id": pa.array([run_id] * n, pa.string()),
+        "step": pa.array([step] * n, pa.int64()),
+        "position": pa.array(range(n), pa.int32()),
+        "advantage": pa.array(advantages, pa.float64()),
+    }
+    columns = [
+        generated[name] if name in generated else table.column(name)
+        for name in TRAINING_BATCHES.schema.names
+    ]
+    return pa.Table.from_arrays(columns, schema=TRAINING_BATCHES.schema)
+
+
+def _group_row(header: DecisionHeader, decision: str, reason: str | None,
+               batch_step: int | None, fragments: pa.Table) -> dict[str, Any]:
+    rewards = [r for r in fragments.column("reward").to_pylist() if r is not None]
+    return {
+        "run_id": header.run_id,
+        "group_index": header.group_index,
+        "step": header.step,
+        "n_samples": header.n_samples,
+        "decision": decision,
+        "reason": reason,
+        "batch_step": batch_step,
+        "decided_at": header.decided_at,
+        "mean_reward": statistics.fmean(rewards) if rewards else None,
+        "first_event_at": header.first_event_at,
+        "n_fragments": fragments.num_rows,
+    }
+
+
+def _sample_rows(header: DecisionHeader, fragments: pa.Table, decision: str,
+                 reason: str | None) -> pa.Table:
+    n = fragments.num_rows
+    return pa.table(
+        {
+            "run_id": pa.array([header.run_id] * n, pa.string()),
+            "group_index": pa.array([header.group_index] * n, pa.int64()),
+            "rollout_id": fragments.column("rollout_id"),
+            "fragment_index": fragments.column("fragment_index"),
+            "status": fragments.column("status"),
+            "reward": fragments.column("reward"),
+            "response_length": fragments.column("response_length"),
+            "decision": pa.array([decision] * n, pa.string()),
+            "reason": pa.array([reason] * n, pa.string()),
+            "step": pa.array([header.step] * n, pa.int64()),
+            "sample_index": fragments.column("sample_index"),
+            "abort_reason": fragments.column("abort_reason"),
+        }
+    )

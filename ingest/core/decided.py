@@ -1,0 +1,146 @@
+"""A decided group as the group stage hands it to the batch stage.
+
+The fragments travel as one Arrow table per group (columnar token lists, no per-token
+Python on the batch side); the group-level facts travel as a small header that
+controllers can read without touching the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from ingest.core.model import FilterVerdict, Group
+from ingest.core.rewards import numeric_reward
+
+FRAGMENTS = pa.schema(
+    [
+        pa.field("rollout_id", pa.int64(), False),
+        pa.field("sample_index", pa.int64()),
+        pa.field("fragment_index", pa.int32(), False),
+        pa.field("status", pa.string(), False),
+        pa.field("abort_reason", pa.string()),
+        pa.field("reward", pa.float64()),  # numeric value through the run's reward_key
+        pa.field("reward_json", pa.string()),  # the reward as sent (int/float/dict/null)
+        pa.field("weight_version", pa.int64()),
+        pa.field("response_length", pa.int32(), False),
+        pa.field("effective_length", pa.int32(), False),
+        pa.field("metadata_json", pa.string()),
+        pa.field("prompt_tokens", pa.list_(pa.int32()), False),
+        pa.field("response_tokens", pa.list_(pa.int32()), False),
+        pa.field("loss_mask", pa.list_(pa.int8()), False),
+        pa.field("rollout_log_probs", pa.list_(pa.float32())),
+    ]
+)
+
+
+@dataclass(slots=True)
+class DecisionHeader:
+    """Group-level facts of one decision (JSON in the Kafka header `decision`)."""
+
+    run_id: str
+    group_index: int
+    step: int | None
+    n_samples: int | None
+    decision: str  # kept / dropped (surplus is decided later, by the batch stage)
+    reason: str | None
+    counted: bool
+    decided_at: float
+    first_event_at: float
+    # Earliest `ts` of the group's aborts when every abort is a `cancelled` one; the batch
+    # stage compares it with the step's seal time to tell cancelled-at-seal groups apart.
+    cancel_min_ts: float | None = None
+    offered: bool = True  # reached the filter chain (False for a group_timeout)
+    source: dict[str, int] = field(default_factory=dict)  # events partition/offset deciding it
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> DecisionHeader:
+        return cls(**orjson.loads(raw))
+
+
+@dataclass(slots=True)
+class DecidedGroup:
+    header: DecisionHeader
+    fragments: pa.Table  # FRAGMENTS rows, in Miles order (rollouts, then fragment index)
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()
+
+
+def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) -> pa.Table:
+    """Flatten a group into FRAGMENTS rows; token columns stay empty when not needed."""
+    cols: dict[str, list[Any]] = {name: [] for name in FRAGMENTS.names}
+
+    def add(rollout, index, fragment) -> None:
+        cols["rollout_id"].append(rollout.rollout_id)
+        cols["sample_index"].append(rollout.sample_index)
+        cols["fragment_index"].append(index)
+        cols["status"].append(rollout.status or "missing")
+        cols["abort_reason"].append(rollout.abort_reason)
+        cols["reward"].append(
+            None if rollout.aborted or not rollout.reward_known
+            else numeric_reward(rollout.reward, reward_key)
+        )
+        cols["reward_json"].append(_json_or_none(rollout.reward) if rollout.reward_known else None)
+        cols["weight_version"].append(rollout.weight_version)
+        meta = dict(rollout.metadata)
+        if fragment is None:
+            length = effective = int(meta.get("partial_response_length", 0))
+            prompt = response = mask = []
+            log_probs = None
+        else:
+            meta = {**fragment.metadata, **meta} if fragment.metadata else meta
+            length, effective = fragment.response_length, fragment.effective_response_length
+            if with_tokens:
+                prompt, response = fragment.prompt_tokens, fragment.response_tokens
+                mask = fragment.loss_mask if fragment.loss_mask is not None else [1] * length
+                log_probs = fragment.rollout_log_probs
+            else:
+                prompt = response = mask = []
+                log_probs = None
+        cols["response_length"].append(length)
+        cols["effective_length"].append(effective)
+        cols["metadata_json"].append(_json_or_none(meta) if meta else None)
+        cols["prompt_tokens"].append(prompt)
+        cols["response_tokens"].append(response)
+        cols["loss_mask"].append(mask)
+        cols["rollout_log_probs"].append(log_probs)
+
+    for rollout in group.ordered_rollouts():
+        fragments = rollout.ordered_fragments()
+        if not fragments:
+            add(rollout, 0, None)
+        for fragment in fragments:
+            add(rollout, fragment.fragment_index, fragment)
+    return pa.table(cols, schema=FRAGMENTS)
+
+
+def header_for(group: Group, verdict: FilterVerdict, *, decided_at: float,
+               source: dict[str, int], offered: bool = True) -> DecisionHeader:
+    aborts = [r for r in group.rollouts.values() if r.aborted]
+    cancel_min_ts = None
+    if aborts and all(r.abort_reason == "cancelled" for r in aborts):
+        stamps = [r.metadata.get("abort_ts") for r in aborts]
+        if all(isinstance(s, int | float) for s in stamps):
+            cancel_min_ts = float(min(stamps))
+    return DecisionHeader(
+        run_id=group.run_id,
+        group_index=group.group_index,
+        step=group.step,
+        n_samples=group.n_samples,
+        decision="kept" if verdict.keep else "dropped",
+        reason=verdict.reason,
+        counted=verdict.counted,
+        decided_at=decided_at,
+        first_event_at=group.first_event_at,
+        cancel_min_ts=cancel_min_ts,
+        offered=offered,
+        source=source,
+    )

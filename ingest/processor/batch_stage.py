@@ -1,0 +1,310 @@
+"""Batch stage: `rollout.decisions` -> groups, samples, training_batches, steps, step_metrics.
+
+The stage is a deterministic state machine per run (`RunBatcher`) fed by the run's
+decisions in partition order. On every (re)assignment it replays its partitions from the
+beginning, and each table keeps only rows whose source offset is newer than the app
+transaction that table recorded for the partition. So after a crash at any moment the
+tables end up exactly as after an uninterrupted run; nothing is written twice. Seal times
+come from the decisions themselves (`decided_at`), not the clock, so a replay reproduces
+them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from kafka import ConsumerRebalanceListener, TopicPartition
+
+from ingest.core.batching import Effects, RunBatcher
+from ingest.core.decided import DecidedGroup
+from ingest.lake import Lake, TxnMark
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.decisions import decision_header, decode_fragments
+from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
+from schemas.control import StepSealed
+from schemas.tables import GROUPS, STEP_METRICS, STEPS
+
+log = logging.getLogger(__name__)
+
+# Commit order: `groups` last. Its recorded offset is the stage's progress marker for
+# operators; every table filters by its own recorded offset, so the order is not needed
+# for correctness, only for `groups` never to run ahead of the batches it refers to.
+TABLE_ORDER = ("training_batches", "steps", "samples", "step_metrics", "groups")
+STEP_KEY = "rolloutlake.steps"
+
+
+@dataclass
+class _Pending:
+    """Rows produced by one poll, per table, each with the offset that produced it."""
+
+    rows: dict[str, list[pa.Table]] = field(default_factory=lambda: defaultdict(list))
+    sources: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    last_offset: dict[int, int] = field(default_factory=dict)
+    sealed: list[tuple[str, int, int, Any]] = field(default_factory=list)  # run, step, p, SealedStep
+    closed: list[tuple[str, int, int, int, dict[str, float]]] = field(default_factory=list)
+
+    def add(self, table: str, rows: pa.Table, partition: int, offset: int) -> None:
+        self.rows[table].append(rows)
+        self.sources[table].extend([(partition, offset)] * rows.num_rows)
+
+
+class BatchStage(ConsumerRebalanceListener):
+    """Consumer-group member on `rollout.decisions` (keyed by run: a run has one owner)."""
+
+    def __init__(self, config: ProcessorConfig, lake: Lake):
+        self.config = config
+        self.lake = lake
+        self.topics = config.kafka.topics
+        self.producer = config.kafka.producer()
+        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
+        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        self.batchers: dict[str, RunBatcher] = {}
+        self.run_partition: dict[str, int] = {}
+        self.recorded: dict[tuple[str, int], int | None] = {}
+        self.closed_steps: set[tuple[str, int]] = set()
+        self.consumer = config.kafka.consumer(
+            group_id=f"{config.consumer_group}-batches",
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
+            max_poll_records=config.max_poll_records,
+        )
+        self.consumer.subscribe([self.topics.decisions], listener=self)
+        self.last_activity = time.monotonic()
+        self.joined = False  # idle only counts once the consumer group assigned partitions
+        self.newly_assigned: set[TopicPartition] = set()
+        self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
+
+    # -- partition ownership ---------------------------------------------------------------
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.newly_assigned -= set(revoked)
+        lost = {tp.partition for tp in revoked}
+        for run_id in [r for r, p in self.run_partition.items() if p in lost]:
+            self.batchers.pop(run_id, None)
+            self.run_partition.pop(run_id, None)
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        # kafka-python calls this on its network thread, where blocking calls are not
+        # allowed: take the partitions over in `poll_once` instead.
+        self.newly_assigned |= set(assigned)
+
+    def _take_over(self, assigned: set[TopicPartition]) -> None:
+        self.runs.catch_up()
+        metrics = self.lake.read("step_metrics", columns=["run_id", "step"])
+        self.closed_steps = set(
+            zip(metrics.column("run_id").to_pylist(), metrics.column("step").to_pylist(), strict=True)
+        )
+        end = self.consumer.end_offsets(list(assigned)) if assigned else {}
+        for tp in assigned:
+            for table in TABLE_ORDER:
+                self.recorded[(table, tp.partition)] = self.lake.txn_version(
+                    table, app_id(table, tp.topic, tp.partition)
+                )
+            # Replay from the start: the state machine rebuilds exactly, tables skip rows
+            # they already hold.
+            self.consumer.seek(tp, 0)
+            self.replaying[tp.partition] = end.get(tp, 0)
+        self.joined = True
+        self.last_activity = time.monotonic()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def poll_once(self) -> int:
+        self.runs.refresh()
+        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        if self.newly_assigned:
+            assigned, self.newly_assigned = self.newly_assigned, set()
+            self._take_over(assigned)
+            # Records fetched before the seek come again from the new position.
+            polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+        pending = _Pending()
+        count = 0
+        for tp, records in polled.items():
+            for record in records:
+                self._handle(record, pending)
+                pending.last_offset[tp.partition] = record.offset
+            count += len(records)
+        self._commit(pending)
+        if count:
+            self.last_activity = time.monotonic()
+        return count
+
+    def _batcher(self, run_id: str, partition: int) -> RunBatcher | None:
+        config = self.runs.get(run_id)
+        if config is None:
+            self.runs.catch_up()
+            config = self.runs.get(run_id)
+        if config is None:
+            return None
+        batcher = self.batchers.get(run_id)
+        if batcher is None:
+            batcher = self.batchers[run_id] = RunBatcher(run_id, config)
+            self.run_partition[run_id] = partition
+        batcher.config = config  # a later run_started applies from here on
+        return batcher
+
+    def _handle(self, record: Any, pending: _Pending) -> None:
+        header = decision_header(record)
+        if header is None:
+            self.dead_letters.add(record.topic, record.partition, record.offset,
+                                  "not a rolloutlake decision (no 'decision' header)", record.value)
+            return
+        batcher = self._batcher(header.run_id, record.partition)
+        if batcher is None:
+            self.dead_letters.add(record.topic, record.partition, record.offset,
+                                  f"decision for run {header.run_id} without run_started",
+                                  record.value, run_id=header.run_id,
+                                  group_index=header.group_index)
+            return
+        group = DecidedGroup(header, decode_fragments(record.value))
+        effects = batcher.offer(group, now=header.decided_at)
+        self._collect(header.run_id, record.partition, record.offset, effects, pending)
+
+    def _collect(self, run_id: str, partition: int, offset: int, effects: Effects,
+                 pending: _Pending) -> None:
+        if effects.groups:
+            pending.add("groups", pa.Table.from_pylist(
+                [{**row, "decided_at": utc_micros(row["decided_at"]),
+                  "first_event_at": utc_micros(row["first_event_at"])} for row in effects.groups],
+                schema=GROUPS.schema), partition, offset)
+        for samples in effects.samples:
+            pending.add("samples", samples, partition, offset)
+        for sealed in effects.sealed:
+            pending.add("training_batches", sealed.rows, partition, offset)
+            pending.sealed.append((run_id, sealed.step, offset, sealed))
+        for step, metrics in effects.closed:
+            pending.closed.append((run_id, step, partition, offset, metrics))
+
+    def flush(self) -> None:
+        """Close every sealed step (shutdown), so the last steps get their metrics too."""
+        pending = _Pending()
+        for run_id, batcher in self.batchers.items():
+            self._collect(run_id, self.run_partition[run_id], -1, batcher.flush(), pending)
+        self._commit(pending)
+
+    # -- commit ----------------------------------------------------------------------------
+
+    def _commit(self, pending: _Pending) -> None:
+        topic = self.topics.decisions
+        marks = {p: o for p, o in pending.last_offset.items()}
+        versions: dict[str, int | None] = {}
+        for table in ("training_batches", "samples"):
+            versions[table] = self._write(table, pending, marks)
+        new_steps = self._write_steps(pending, versions.get("training_batches"), marks)
+        self._write_metrics(pending, marks)
+        self._write("groups", pending, marks)
+        self.dead_letters.commit(
+            [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
+        )
+        for run_id, step, sealed_at in new_steps:
+            message = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
+            self.producer.send(self.topics.control, key=run_id.encode(),
+                               value=message.model_dump_json().encode())
+        if new_steps:
+            self.producer.flush()
+        for partition, end in list(self.replaying.items()):
+            if marks.get(partition, -1) >= end - 1 or end == 0:
+                del self.replaying[partition]
+
+    def _recorded(self, table: str, partition: int) -> int | None:
+        return self.recorded.get((table, partition))
+
+    def _write(self, table: str, pending: _Pending, marks: dict[int, int]) -> int | None:
+        """Append the poll's rows of `table` that the table does not hold yet."""
+        parts = pending.rows.get(table, [])
+        version = None
+        if parts:
+            recorded = {p: self._recorded(table, p) for p in marks}
+            keep = [
+                recorded.get(p) is None or o > recorded[p] for p, o in pending.sources[table]
+            ]
+            rows = pa.concat_tables(parts).filter(pa.array(keep, pa.bool_()))
+            if rows.num_rows:
+                version = self.lake.append(
+                    table, rows,
+                    [TxnMark(app_id(table, self.topics.decisions, p), o) for p, o in marks.items()],
+                )
+        for p, o in marks.items():
+            self.recorded[(table, p)] = max(o, self._recorded(table, p) or -1)
+        return version
+
+    def _write_steps(self, pending: _Pending, batch_version: int | None,
+                     marks: dict[int, int]) -> list[tuple[str, int, float]]:
+        new_rows = []
+        for run_id, step, offset, sealed in pending.sealed:
+            partition = self.run_partition[run_id]
+            recorded = self._recorded("steps", partition)
+            if recorded is not None and offset <= recorded:
+                continue
+            version = batch_version
+            tb_recorded = self._recorded("training_batches", partition)
+            if version is None or (tb_recorded is not None and offset <= tb_recorded):
+                version = self._find_batch_version(run_id, step)
+            new_rows.append(
+                {
+                    "run_id": run_id, "step": step, "n_groups": sealed.n_groups,
+                    "n_samples": sealed.rows.num_rows, "sealed_at": utc_micros(sealed.sealed_at),
+                    "batch_version": version, "content_sha256": sealed.content_sha256,
+                    "n_rollouts": sealed.n_rollouts, "n_tokens": sealed.n_tokens,
+                }
+            )
+        if new_rows:
+            self.lake.append(
+                "steps", pa.Table.from_pylist(new_rows, schema=STEPS.schema),
+                [TxnMark(app_id("steps", self.topics.decisions, p), o) for p, o in marks.items()],
+            )
+        for p, o in marks.items():
+            self.recorded[("steps", p)] = max(o, self._recorded("steps", p) or -1)
+        return [(r["run_id"], r["step"], r["sealed_at"] / 1e6) for r in new_rows]
+
+    def _find_batch_version(self, run_id: str, step: int) -> int:
+        """The training_batches version holding a step written before a restart."""
+        dt = self.lake.refresh("training_batches")
+        for version in range(dt.version(), -1, -1):
+            rows = self.lake.read(
+                "training_batches", version=version, columns=["position"],
+                filter=(pc.field("run_id") == run_id) & (pc.field("step") == step),
+            )
+            if rows.num_rows == 0:
+                return version + 1
+        return 0
+
+    def _write_metrics(self, pending: _Pending, marks: dict[int, int]) -> None:
+        rows = []
+        for run_id, step, _partition, _offset, metrics in pending.closed:
+            if (run_id, step) in self.closed_steps:
+                continue
+            self.closed_steps.add((run_id, step))
+            metrics = {**metrics, **self._issued(run_id, step)}
+            rows.extend({"run_id": run_id, "step": step, "key": k, "value": float(v)}
+                        for k, v in sorted(metrics.items()))
+        if rows:
+            # Keyed by (run, step): a replayed closure is skipped above, so no offset marks
+            # are needed (and a flush at shutdown has no offset of its own).
+            self.lake.append("step_metrics", pa.Table.from_pylist(rows, schema=STEP_METRICS.schema))
+
+    def _issued(self, run_id: str, step: int) -> dict[str, float]:
+        """Prompts issued for a step: its `group_started` events in the archive."""
+        issued = self.lake.read(
+            "events", columns=["event_id"],
+            filter=(pc.field("run_id") == run_id) & (pc.field("type") == "group_started")
+            & (pc.field("step") == step),
+        ).num_rows
+        return {"rollout/prompts_issued": float(issued)} if issued else {}
+
+    @property
+    def idle(self) -> bool:
+        return self.joined and not self.replaying and not self.dead_letters.rows
+
+    def close(self) -> None:
+        self.producer.flush()
+        self.consumer.close()
+        self.runs.close()
+        self.producer.close()
+

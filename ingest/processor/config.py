@@ -1,0 +1,31 @@
+"""Configuration of the stream processor (`rolloutlake process`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ingest.kafka_io import KafkaSettings
+
+
+class ProcessorConfig(BaseModel):
+    """Everything `rolloutlake process` needs; validated once at start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kafka: KafkaSettings = KafkaSettings()
+    lake: Annotated[str, Field(min_length=1)]
+    """Lake root: a local folder or an object-store URI (s3://bucket/prefix)."""
+    stages: Literal["all", "groups", "batches"] = "all"
+    """Which stages this instance runs; `all` runs both in one process."""
+    consumer_group: Annotated[str, Field(min_length=1)] = "rolloutlake"
+    """Consumer-group prefix; must be the same for all instances of one deployment."""
+    until_idle_s: Annotated[float, Field(gt=0)] | None = None
+    """Exit 0 after this many seconds without new messages, once everything is committed."""
+    poll_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
+    max_poll_records: Annotated[int, Field(ge=1)] = 2000
+    session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000
+    """Consumer-group session timeout; joining takes about half of it on Tansu."""
+    default_group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Timeout of groups whose run has no `run_started` yet."""

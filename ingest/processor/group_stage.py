@@ -1,0 +1,315 @@
+"""Group stage: `rollout.events` -> `events` archive + group decisions on `rollout.decisions`.
+
+Per poll: assemble events into groups (pure core), commit the archive and dead letters to
+Delta with the consumed offsets as app transactions, then publish the decisions of the
+groups that completed. Publishing after the commit means every decision's events are
+durable; a crash between the two is healed on start by rebuilding undecided groups from
+the archive and deciding them again (the batch stage ignores a repeated decision).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+from kafka import ConsumerRebalanceListener, TopicPartition
+
+from ingest.core.assembly import GroupBuilder
+from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.model import FilterVerdict
+from ingest.filters import FilterArgs, apply_filter_chain, load_filter
+from ingest.lake import Lake, TxnMark
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.decisions import encode_decision
+from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
+from schemas.errors import EventValidationError, RolloutlakeError
+from schemas.events import TRAJECTORY_EVENT_TYPES, GroupStarted, decode_event, parse_event
+from schemas.tables import EVENTS
+
+log = logging.getLogger(__name__)
+
+GroupKey = tuple[str, int]
+NO_GROUP_STARTED = "no group_started"
+
+
+@dataclass
+class _Pending:
+    builder: GroupBuilder
+    partition: int
+    completed_at: tuple[int, int] | None = None  # (partition, offset) of the completing event
+
+
+@dataclass
+class _Batch:
+    archive: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[DecidedGroup] = field(default_factory=list)
+    last_offset: dict[int, int] = field(default_factory=dict)
+
+
+class GroupStage(ConsumerRebalanceListener):
+    """Consumer-group member on `rollout.events`; owns the groups of its partitions."""
+
+    def __init__(self, config: ProcessorConfig, lake: Lake):
+        self.config = config
+        self.lake = lake
+        self.topics = config.kafka.topics
+        self.producer = config.kafka.producer()
+        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
+        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        self.pending: dict[GroupKey, _Pending] = {}
+        self.decided: dict[GroupKey, set[str]] = {}  # decided group -> its event ids
+        self.dead: set[GroupKey] = set()  # timed out without a group_started
+        self.recorded: dict[int, int | None] = {}  # partition -> archive txn version
+        self.consumer = config.kafka.consumer(
+            group_id=f"{config.consumer_group}-groups",
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
+            max_poll_records=config.max_poll_records,
+        )
+        self.consumer.subscribe([self.topics.events], listener=self)
+        self.last_activity = time.monotonic()
+        self.joined = False  # idle only counts once the consumer group assigned partitions
+        self.newly_assigned: set[TopicPartition] = set()
+
+    # -- partition ownership ---------------------------------------------------------------
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.newly_assigned -= set(revoked)
+        lost = {tp.partition for tp in revoked}
+        for key in [k for k, p in self.pending.items() if p.partition in lost]:
+            del self.pending[key]
+        for partition in lost:
+            self.recorded.pop(partition, None)
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        # kafka-python calls this on its network thread, where blocking calls are not
+        # allowed: take the partitions over in `poll_once` instead.
+        self.newly_assigned |= set(assigned)
+
+    def _take_over(self, assigned: set[TopicPartition]) -> None:
+        self.runs.catch_up()
+        decided = self.lake.read("groups", columns=["run_id", "group_index"])
+        for key in zip(decided.column("run_id").to_pylist(),
+                       decided.column("group_index").to_pylist(), strict=True):
+            self.decided.setdefault(key, set())
+        dead = self.lake.read("dead_letters", columns=["run_id", "group_index", "error"])
+        for run_id, group_index, error in zip(*(dead.column(c).to_pylist() for c in dead.column_names), strict=True):
+            if group_index is not None and error.startswith(NO_GROUP_STARTED):
+                self.dead.add((run_id, group_index))
+        for tp in sorted(assigned, key=lambda t: t.partition):
+            recorded = self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
+            self.recorded[tp.partition] = recorded
+            self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
+            self._rebuild(tp.partition)
+        self.joined = True
+        self.last_activity = time.monotonic()
+
+    def _rebuild(self, partition: int) -> None:
+        """Re-assemble the partition's undecided groups from the archive, in offset order."""
+        archive = self.lake.read(
+            "events",
+            filter=(pc.field("topic") == self.topics.events) & (pc.field("partition") == partition),
+            columns=["run_id", "group_index", "offset", "ingested_at", "payload"],
+        )
+        if archive.num_rows == 0:
+            return
+        archive = archive.sort_by("offset")
+        rebuilt = []
+        for run_id, group_index, offset, ingested_at, payload in zip(
+            *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
+        ):
+            key = (run_id, group_index)
+            if key in self.decided or key in self.dead:
+                continue
+            pending = self.pending.get(key)
+            if pending is None:
+                builder = GroupBuilder(run_id, group_index, ingested_at.timestamp())
+                pending = self.pending[key] = _Pending(builder, partition)
+                rebuilt.append(key)
+            pending.builder.apply(parse_event(orjson.loads(payload)))
+            if pending.completed_at is None and pending.builder.group.complete:
+                pending.completed_at = (partition, offset)
+        batch = _Batch()
+        for key in sorted(rebuilt, key=lambda k: self.pending[k].completed_at or (partition, 1 << 62)):
+            self._try_decide(key, batch)
+        log.info("partition %d: rebuilt %d undecided groups, re-deciding %d",
+                 partition, len(rebuilt), len(batch.decisions))
+        self._publish(batch.decisions)
+        self.dead_letters.commit([])
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def poll_once(self) -> int:
+        self.runs.refresh()
+        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        if self.newly_assigned:
+            assigned, self.newly_assigned = self.newly_assigned, set()
+            self._take_over(assigned)
+            # Records fetched before the seek come again from the new position.
+            polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+        batch = _Batch()
+        count = 0
+        for tp, records in polled.items():
+            for record in records:
+                self._handle(record, batch)
+                batch.last_offset[tp.partition] = record.offset
+            count += len(records)
+        self._decide_waiting(batch)
+        self._expire(time.time(), batch)
+        self._commit(batch)
+        if count:
+            self.last_activity = time.monotonic()
+        return count
+
+    def _handle(self, record: Any, batch: _Batch) -> None:
+        partition, offset = record.partition, record.offset
+        recorded = self.recorded.get(partition)
+        if recorded is not None and offset <= recorded:
+            return  # archived before a restart
+        try:
+            event = decode_event(record.value, allowed=TRAJECTORY_EVENT_TYPES)
+        except EventValidationError as err:
+            self.dead_letters.add(record.topic, partition, offset, str(err), record.value)
+            return
+        key = (event.run_id, event.group_index)
+        reject = None
+        if key in self.decided:
+            if event.event_id in self.decided[key]:
+                return  # a duplicate delivery of an event already applied
+            reject = f"group {event.group_index} of run {event.run_id} is already decided"
+        elif key in self.dead:
+            reject = f"{NO_GROUP_STARTED} for group {event.group_index}: the group was dead-lettered"
+        if reject is None:
+            pending = self.pending.get(key)
+            if pending is None:
+                pending = self.pending[key] = _Pending(
+                    GroupBuilder(event.run_id, event.group_index, time.time()), partition
+                )
+            result = pending.builder.apply(event)
+            if result.status == "duplicate":
+                return
+            reject = result.reason
+        if reject is not None:
+            self.dead_letters.add(record.topic, partition, offset, reject, record.value,
+                                  run_id=event.run_id, group_index=event.group_index)
+            return
+        batch.archive.append(
+            {
+                "run_id": event.run_id, "event_id": event.event_id, "type": event.type,
+                "group_index": event.group_index,
+                "rollout_id": getattr(event, "rollout_id", None),
+                "topic": record.topic, "partition": partition, "offset": offset,
+                "ingested_at": utc_micros(time.time()), "payload": record.value.decode(),
+                "step": event.step if isinstance(event, GroupStarted) else None,
+            }
+        )
+        if pending.builder.group.complete and pending.completed_at is None:
+            pending.completed_at = (partition, offset)
+            self._try_decide(key, batch)
+
+    def _try_decide(self, key: GroupKey, batch: _Batch) -> None:
+        pending = self.pending[key]
+        config = self.runs.get(key[0])
+        if config is None:
+            return  # waits for its run_started (or times out)
+        group = pending.builder.group
+        partition, offset = pending.completed_at
+        source = {"partition": partition, "offset": offset}
+        try:
+            user_filter = load_filter(config.resolved_filter_path)
+            verdict = apply_filter_chain(FilterArgs.from_config(config), group, user_filter)
+        except Exception as err:  # noqa: BLE001 - a user filter may raise anything
+            error = f"filter {config.dynamic_sampling_filter_path} raised {type(err).__name__}: {err}"
+            if isinstance(err, RolloutlakeError):
+                error = str(err)
+            self.dead_letters.add(self.topics.events, partition, offset, error, None,
+                                  run_id=group.run_id, group_index=group.group_index)
+            verdict = FilterVerdict(False, "filter_error")
+        self._finish(key, verdict, source, batch)
+
+    def _finish(self, key: GroupKey, verdict: FilterVerdict, source: dict[str, int],
+                batch: _Batch, offered: bool = True) -> None:
+        pending = self.pending.pop(key)
+        config = self.runs.get(key[0])
+        group = pending.builder.group
+        header = header_for(group, verdict, decided_at=time.time(), source=source, offered=offered)
+        fragments = fragments_table(group, config.reward_key if config else None,
+                                    with_tokens=verdict.keep)
+        batch.decisions.append(DecidedGroup(header, fragments))
+        self.decided[key] = pending.builder.event_ids
+
+    def _decide_waiting(self, batch: _Batch) -> None:
+        """Decide complete groups that were waiting for their run's config."""
+        for key in [k for k, p in self.pending.items() if p.completed_at is not None]:
+            if key in self.pending and self.runs.get(key[0]) is not None:
+                self._try_decide(key, batch)
+
+    def _expire(self, now: float, batch: _Batch) -> None:
+        for key, pending in list(self.pending.items()):
+            config = self.runs.get(key[0])
+            timeout = config.group_timeout_s if config else self.config.default_group_timeout_s
+            group = pending.builder.group
+            if now - group.first_event_at < timeout:
+                continue
+            if group.started and config is not None:
+                source = {"partition": pending.partition, "offset": -1}
+                self._finish(key, FilterVerdict(False, "group_timeout"), source, batch,
+                             offered=False)
+            else:
+                self._dead_letter_group(key, pending, timeout)
+
+    def _dead_letter_group(self, key: GroupKey, pending: _Pending, timeout: float) -> None:
+        """A group without group_started (or run) after its timeout: its events are rejected."""
+        del self.pending[key]
+        self.dead.add(key)
+        what = "group_started" if not pending.builder.group.started else "run_started for its run"
+        error = f"{NO_GROUP_STARTED}: no {what} within {timeout:g} s of the group's first event"
+        archived = self.lake.read(
+            "events",
+            filter=(pc.field("run_id") == key[0]) & (pc.field("group_index") == key[1]),
+            columns=["topic", "partition", "offset", "payload"],
+        )
+        for topic, partition, offset, payload in zip(
+            *(archived.column(c).to_pylist() for c in archived.column_names), strict=True
+        ):
+            self.dead_letters.add(topic, partition, offset, error, payload.encode(),
+                                  run_id=key[0], group_index=key[1])
+
+    # -- commit and publish ----------------------------------------------------------------
+
+    def _commit(self, batch: _Batch) -> None:
+        topic = self.topics.events
+        marks = [TxnMark(app_id("dead_letters", topic, p), o) for p, o in batch.last_offset.items()]
+        self.dead_letters.commit(marks)
+        if batch.last_offset:
+            rows = pa.Table.from_pylist(batch.archive, schema=EVENTS.schema)
+            self.lake.append(
+                "events", rows,
+                [TxnMark(app_id("events", topic, p), o) for p, o in batch.last_offset.items()],
+            )
+            for p, o in batch.last_offset.items():
+                self.recorded[p] = o
+        self._publish(batch.decisions)
+
+    def _publish(self, decisions: list[DecidedGroup]) -> None:
+        for decided in decisions:
+            headers, value = encode_decision(decided)
+            self.producer.send(self.topics.decisions, key=decided.header.run_id.encode(),
+                               value=value, headers=headers)
+        if decisions:
+            self.producer.flush()
+
+    @property
+    def idle(self) -> bool:
+        return self.joined and not self.dead_letters.rows
+
+    def close(self) -> None:
+        self.producer.flush()
+        self.consumer.close()
+        self.runs.close()
+        self.producer.close()

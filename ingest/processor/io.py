@@ -1,0 +1,152 @@
+"""I/O helpers both processor stages share: the run registry, dead letters, offsets.
+
+The app-transaction ids name table, topic and partition (`events@rollout.events:0`), so
+every table records independently how far each source partition has been written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from kafka import TopicPartition
+
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake, TxnMark
+from schemas.errors import EventValidationError
+from schemas.events import RunConfig, RunStarted, decode_event
+from schemas.tables import DEAD_LETTERS
+
+log = logging.getLogger(__name__)
+
+
+def app_id(table: str, topic: str, partition: int) -> str:
+    return f"{table}@{topic}:{partition}"
+
+
+def utc_micros(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
+class RunRegistry:
+    """Run configurations from `rollout.runs`, read in full by every stage instance.
+
+    A later `run_started` replaces the config from the moment it is read.
+    """
+
+    def __init__(self, kafka: KafkaSettings, dead_letters: DeadLetters | None = None):
+        self.topic = kafka.topics.runs
+        self.configs: dict[str, RunConfig] = {}
+        self.datasets: dict[str, str | None] = {}
+        self._dead_letters = dead_letters
+        self._consumer = kafka.consumer(group_id=None)
+        partitions = self._consumer.partitions_for_topic(self.topic) or {0}
+        self._tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        self._consumer.assign(self._tps)
+        self._consumer.seek_to_beginning(*self._tps)
+
+    def refresh(self, timeout_ms: int = 0) -> bool:
+        """Read whatever arrived; True when anything new was read."""
+        changed = False
+        while True:
+            batch = self._consumer.poll(timeout_ms=timeout_ms, max_records=1000)
+            if not batch:
+                return changed
+            timeout_ms = 0
+            for records in batch.values():
+                for record in records:
+                    changed = True
+                    self._apply(record)
+
+    def catch_up(self, timeout_s: float = 10.0) -> None:
+        """Read up to the end offsets as of now (used at start, before any decision)."""
+        end = self._consumer.end_offsets(self._tps)
+        deadline = time.monotonic() + timeout_s
+        while any(self._consumer.position(tp) < end[tp] for tp in self._tps):
+            if time.monotonic() > deadline:
+                log.warning("runs topic not fully read after %.0f s", timeout_s)
+                return
+            self.refresh(timeout_ms=200)
+
+    def _apply(self, record: Any) -> None:
+        try:
+            event = decode_event(record.value, allowed=frozenset({"run_started"}))
+        except EventValidationError as err:
+            if self._dead_letters is not None:
+                self._dead_letters.add(record.topic, record.partition, record.offset,
+                                       str(err), record.value)
+            return
+        assert isinstance(event, RunStarted)
+        self.configs[event.run_id] = event.config
+        self.datasets[event.run_id] = event.dataset
+
+    def get(self, run_id: str) -> RunConfig | None:
+        return self.configs.get(run_id)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+@dataclass
+class DeadLetters:
+    """Rejected messages, written to the `dead_letters` table and `rollout.deadletter`.
+
+    Keys (topic, partition, offset) already in the table are skipped, so rows produced
+    again after a restart (a timeout re-detected, a replayed batch) are written once.
+    """
+
+    lake: Lake
+    producer: Any  # KafkaProducer
+    topic: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    _known: set[tuple[str, int, int]] | None = None
+
+    def known(self) -> set[tuple[str, int, int]]:
+        if self._known is None:
+            table = self.lake.read("dead_letters", columns=["topic", "partition", "offset"])
+            self._known = set(
+                zip(
+                    table.column("topic").to_pylist(),
+                    table.column("partition").to_pylist(),
+                    table.column("offset").to_pylist(),
+                    strict=True,
+                )
+            )
+        return self._known
+
+    def add(self, topic: str, partition: int, offset: int, error: str, raw: bytes | None,
+            *, run_id: str | None = None, group_index: int | None = None) -> None:
+        key = (topic, partition, offset)
+        if key in self.known():
+            return
+        self._known.add(key)
+        self.rows.append(
+            {
+                "topic": topic, "partition": partition, "offset": offset, "error": error,
+                "raw": raw, "at": utc_micros(time.time()), "run_id": run_id,
+                "group_index": group_index,
+            }
+        )
+        log.info("dead letter %s[%d]@%d: %s", topic, partition, offset, error)
+
+    def commit(self, marks: list[TxnMark]) -> None:
+        """Write pending rows (with the stage's marks) and mirror them to Kafka."""
+        if not self.rows:
+            return
+        rows, self.rows = self.rows, []
+        self.lake.append("dead_letters", pa.Table.from_pylist(rows, schema=DEAD_LETTERS.schema),
+                         marks)
+        for row in rows:
+            self.producer.send(
+                self.topic,
+                key=None if row["run_id"] is None else row["run_id"].encode(),
+                value=row["raw"] or b"",
+                headers=[
+                    ("error", row["error"].encode()),
+                    ("source", f"{row['topic']}:{row['partition']}:{row['offset']}".encode()),
+                ],
+            )
+
