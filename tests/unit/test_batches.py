@@ -1,0 +1,182 @@
+"""Batch reader on real Delta tables: tensorisation, version pinning, verification."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import torch
+
+from ingest.lake import Lake
+from schemas.errors import BatchVerificationError
+from schemas.tables import TRAINING_BATCHES, content_sha256
+from tests.integration.trainer_fixtures import batch_rows, random_step, seal_step
+from trainer.batches import (
+    StepFollower,
+    plan_micro_batches,
+    read_sealed_rows,
+    tensorize,
+)
+
+HAND_ROWS = [
+    # Rollout (0, 0) compacted into two siblings; the second has no rollout log-probs.
+    dict(
+        group_index=0,
+        rollout_id=0,
+        prompt_tokens=[1, 2],
+        response_tokens=[3, 4, 5],
+        loss_mask=[1, 1, 0],
+        rollout_log_probs=[-0.1, -0.2, -0.3],
+        advantage=0.5,
+    ),
+    dict(
+        group_index=0,
+        rollout_id=0,
+        fragment_index=1,
+        prompt_tokens=[6],
+        response_tokens=[7],
+        loss_mask=[1],
+        advantage=0.5,
+    ),
+    dict(
+        group_index=0,
+        rollout_id=1,
+        prompt_tokens=[8, 9, 10],
+        response_tokens=[11, 12],
+        loss_mask=[1, 1],
+        rollout_log_probs=[-1.0, -2.0],
+        advantage=-0.5,
+    ),
+    # Empty prompt: the first response token has no context and is not trained.
+    dict(
+        group_index=1,
+        rollout_id=0,
+        prompt_tokens=[],
+        response_tokens=[13, 14],
+        loss_mask=[1, 1],
+        advantage=1.0,
+    ),
+]
+
+
+@pytest.fixture
+def lake(tmp_path):
+    return Lake(tmp_path / "lake")
+
+
+def _sealed(lake, step):
+    return StepFollower(lake, "r1", poll_interval_s=0.01).sealed(step)
+
+
+def test_tensorize_pads_and_aligns_targets(lake):
+    seal_step(lake, batch_rows("r1", 1, HAND_ROWS))
+    batch = tensorize(read_sealed_rows(lake, _sealed(lake, 1)), 1)
+    assert batch.tokens.tolist() == [
+        [1, 2, 3, 4, 5],
+        [6, 7, 0, 0, 0],
+        [8, 9, 10, 11, 12],
+        [13, 14, 0, 0, 0],
+    ]
+    assert batch.attention_mask.sum(1).tolist() == [5, 2, 5, 2]
+    # Index t scores token t+1.
+    assert batch.response_mask.int().tolist() == [
+        [0, 1, 1, 1],
+        [1, 0, 0, 0],
+        [0, 0, 1, 1],
+        [1, 0, 0, 0],
+    ]
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 1, 1], [1, 0, 0, 0]]
+    assert torch.allclose(
+        batch.old_log_probs,
+        torch.tensor([[0, -0.1, -0.2, -0.3], [0, 0, 0, 0], [0, 0, -1, -2], [0, 0, 0, 0]]),
+    )
+    assert batch.has_old_log_probs.tolist() == [True, False, True, False]
+    assert batch.advantages[:, 0].tolist() == [0.5, 0.5, -0.5, 1.0]
+    assert batch.advantages.shape == batch.loss_mask.shape
+    assert batch.response_lengths.tolist() == [3, 1, 2, 1]
+    # Siblings share D = 2 + 1; the other rollouts keep their own sums.
+    assert batch.rollout_mask_sums.tolist() == [3, 3, 2, 1]
+    assert batch.rollout_index.tolist() == [0, 0, 1, 2]
+    assert batch.n_rollouts == 3
+
+
+def test_rows_slice_trims_padding(lake):
+    seal_step(lake, batch_rows("r1", 1, HAND_ROWS))
+    batch = tensorize(read_sealed_rows(lake, _sealed(lake, 1)), 1)
+    micro = batch.rows(slice(1, 2))
+    assert micro.tokens.tolist() == [[6, 7]]
+    assert micro.loss_mask.tolist() == [[1.0]]
+    assert micro.rollout_mask_sums.tolist() == [3.0]
+
+
+def test_reader_pins_the_recorded_batch_version(lake):
+    rows = random_step("r1", 1)
+    version = seal_step(lake, rows)
+    # A late write for the same step after sealing must not reach the trainer.
+    lake.append(TRAINING_BATCHES.name, rows.slice(0, 1))
+    sealed = _sealed(lake, 1)
+    assert sealed.batch_version == version
+    read = read_sealed_rows(lake, sealed)
+    assert read.num_rows == rows.num_rows
+    assert read.column("position").to_pylist() == list(range(rows.num_rows))
+    # The same step at the latest version has the extra row and fails verification.
+    latest = type(sealed)(
+        **{**sealed.__dict__, "batch_version": lake.version(TRAINING_BATCHES.name)}
+    )
+    with pytest.raises(BatchVerificationError, match="read 21 rows, the steps table recorded 20"):
+        read_sealed_rows(lake, latest)
+
+
+def test_hash_mismatch_stops_with_a_clear_error(lake):
+    rows = random_step("r1", 2)
+    seal_step(lake, rows, sha256="0" * 64)
+    with pytest.raises(BatchVerificationError) as info:
+        read_sealed_rows(lake, _sealed(lake, 2))
+    message = str(info.value)
+    assert "run r1 step 2" in message
+    assert "content_sha256" in message and "0" * 64 in message
+
+
+def test_changed_value_fails_verification(lake):
+    rows = random_step("r1", 4)
+    column = rows.schema.get_field_index("advantage")
+    tampered = rows.set_column(column, "advantage", pc.add(rows.column("advantage"), 1.0))
+    seal_step(lake, tampered, sha256=content_sha256(rows))
+    with pytest.raises(BatchVerificationError, match="changed after sealing"):
+        read_sealed_rows(lake, _sealed(lake, 4))
+
+
+def test_follower_waits_and_finds_the_first_step(lake):
+    follower = StepFollower(lake, "r1", poll_interval_s=0.01)
+    assert follower.wait_for(None, idle_timeout_s=0.05) is None
+    seal_step(lake, random_step("r1", 5))
+    seal_step(lake, random_step("r1", 3))
+    seal_step(lake, random_step("other", 1))
+    assert follower.wait_for(None, idle_timeout_s=1).step == 3
+    assert follower.wait_for(5, idle_timeout_s=1).step == 5
+    assert follower.wait_for(4, idle_timeout_s=0.05) is None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_micro_batch_plan_covers_rows_in_equal_counts(world_size):
+    lengths = np.array([100, 5, 5, 5, 300, 20, 20, 20, 20, 80, 7])
+    plans = [
+        plan_micro_batches(lengths, world_size=world_size, rank=r, max_tokens=64)
+        for r in range(world_size)
+    ]
+    assert len({len(p) for p in plans}) == 1
+    covered = [i for plan in plans for part in plan for i in range(part.start, part.stop)]
+    assert covered == list(range(len(lengths)))
+    assert all(part.stop > part.start for plan in plans for part in plan)
+
+
+def test_micro_batch_plan_respects_the_token_budget():
+    lengths = np.full(64, 100)
+    plan = plan_micro_batches(lengths, world_size=1, rank=0, max_tokens=1000)
+    assert len(plan) == 7
+    assert max(lengths[p].sum() for p in plan) <= 1000
+
+
+def test_fewer_rows_than_ranks_is_an_error():
+    with pytest.raises(BatchVerificationError, match="fewer than the 4"):
+        plan_micro_batches(np.array([1, 2, 3]), world_size=4, rank=0, max_tokens=10)
