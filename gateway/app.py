@@ -1,0 +1,92 @@
+"""`create_app(config)`: the FastAPI app of the REST gateway (CONTRACT section 6).
+
+The app's services live on `app.state` (config, lake, producer, runs, datasets, prompts,
+recent_ids, tokens, metrics), built in the lifespan and reached by routes only through
+`gateway.deps`. Adding a resource means adding its router to `ROUTERS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from gateway.auth import TokenStore
+from gateway.config import GatewayConfig
+from gateway.datasets import DatasetStore
+from gateway.dedup import RecentIds
+from gateway.errors import ApiError
+from gateway.observability import GatewayMetrics, LimitBody, ObserveRequests
+from gateway.producer import GatewayProducer
+from gateway.prompts import PromptService
+from gateway.routes import datasets, events, health, prompts, reads, runs
+from gateway.runs import RunRegistry
+from ingest.lake import Lake
+from schemas.errors import BrokerUnavailableError
+
+log = logging.getLogger(__name__)
+
+ROUTERS: list[APIRouter] = [
+    health.router, events.router, runs.router, datasets.router, prompts.router, reads.router,
+]
+# How long start-up waits for Kafka before serving anyway (requests get 503 until it answers).
+KAFKA_STARTUP_WAIT_S = 10.0
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """Build the gateway app; nothing connects until the app starts (lifespan)."""
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = app.state
+        state.lake = Lake(config.lake_root)
+        state.producer = GatewayProducer(config.kafka, publish_timeout_s=config.publish_timeout_s)
+        state.runs = RunRegistry(config.kafka)
+        state.datasets = DatasetStore(config.lake_root, config.upload_dir,
+                                      tokenizers=config.tokenizers,
+                                      line_limit=config.dataset_line_limit_bytes)
+        state.prompts = PromptService(state.lake, state.datasets, state.runs, state.producer)
+        state.recent_ids = RecentIds(config.state_dir / "accepted_event_ids.log",
+                                     config.dedup_window)
+        state.producer.start(wait_s=KAFKA_STARTUP_WAIT_S)
+        log.info("gateway config: %s", config.model_dump_json(exclude={"tokens"}))
+        try:
+            yield
+        finally:
+            # Graceful shutdown: uvicorn has drained requests; flush what they published.
+            state.producer.close()
+            state.runs.close()
+            state.recent_ids.close()
+            log.info("gateway stopped; producer flushed")
+
+    app = FastAPI(
+        title="rolloutlake gateway",
+        version="1",
+        summary="Events, runs, datasets, prompt serving and audit reads over HTTP.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.tokens = TokenStore(config)
+    app.state.metrics = metrics
+    for router in ROUTERS:
+        app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": err.message, **err.extra}, status_code=err.status,
+                            headers=err.headers)
+
+    @app.exception_handler(BrokerUnavailableError)
+    async def broker_unavailable(request: Request, err: BrokerUnavailableError) -> JSONResponse:
+        return JSONResponse({"detail": str(err)}, status_code=503,
+                            headers={"Retry-After": str(config.retry_after_s)})
+
+    # Outermost first: the observer also times and counts 413s from the limiter.
+    app.add_middleware(LimitBody, limit=config.body_limit_bytes,
+                       dataset_limit=config.dataset_limit_bytes)
+    app.add_middleware(ObserveRequests, metrics=metrics)
+    return app

@@ -1,0 +1,349 @@
+"""Prompt datasets with Miles data-source semantics (MILES_SEMANTICS.md section 3), stored
+as one Delta table per dataset under `<lake>/datasets/<name>`; each upload is a version.
+
+Differences from Miles, on purpose:
+- bad lines (not JSON, not UTF-8, missing keys, too long) are reported, not skipped silently;
+- `@[start:end]` accepts negative bounds (Python slice semantics over the valid rows);
+- uploads are parsed in two streaming passes through a spool file, so memory stays bounded
+  (about one 8192-row batch) whatever the file size;
+- `max_prompt_len` also measures chat-message prompts: the contents joined by newlines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake.exceptions import TableNotFoundError
+
+from schemas.tables import DATASET_ROWS
+
+DATASET_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
+SLICE = re.compile(r"^@?\[(-?\d*):(-?\d*)\]$")
+BATCH_ROWS = 8192
+MAX_BAD_LINES_REPORTED = 1000
+Format = Literal["jsonl", "parquet"]
+FORMATS: dict[str, Format] = {".jsonl": "jsonl", ".parquet": "parquet"}
+
+_SPOOL_SCHEMA = pa.schema([
+    pa.field("source_line", pa.int64()), pa.field("prompt", pa.string()),
+    pa.field("label", pa.string()), pa.field("metadata", pa.string()),
+    pa.field("text", pa.string()),
+])
+
+
+class DatasetError(Exception):
+    """The upload cannot become a dataset version (HTTP 422); carries the bad lines."""
+
+    def __init__(self, message: str, bad_lines: list[dict[str, Any]] | None = None,
+                 bad_line_count: int = 0):
+        super().__init__(message)
+        self.bad_lines = bad_lines or []
+        self.bad_line_count = bad_line_count
+
+
+class UnknownTokenizer(DatasetError):
+    pass
+
+
+def parse_slice(text: str | None) -> tuple[int | None, int | None]:
+    """`@[start:end]` or `[start:end]`; either bound may be empty or negative."""
+    if not text:
+        return None, None
+    match = SLICE.match(text.strip())
+    if match is None:
+        raise DatasetError(f"slice {text!r} is not of the form @[start:end] (no step)")
+    start, end = (int(b) if b not in ("", "-") else None for b in match.groups())
+    return start, end
+
+
+def format_of(filename: str | None) -> Format:
+    suffix = Path(filename or "").suffix.lower()
+    if suffix not in FORMATS:
+        raise DatasetError(
+            f"unsupported file type {suffix or '(none)'!r} of {filename!r}: upload .jsonl or "
+            ".parquet (or pass ?format=jsonl|parquet)"
+        )
+    return FORMATS[suffix]
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Miles `--input-key`, `--label-key`, `--metadata-key`, `--tool-key`, slice, max length."""
+
+    input_key: str = "input"
+    label_key: str | None = None
+    metadata_key: str = "metadata"
+    tool_key: str | None = "tools"
+    start: int | None = None
+    end: int | None = None
+    max_prompt_len: int | None = None
+    tokenizer: str | None = None
+
+
+@dataclass
+class UploadReport:
+    name: str
+    version: int
+    valid_rows: int
+    rows_kept: int
+    rows_sliced_out: int
+    rows_filtered: int
+    length_unit: str
+    bad_line_count: int
+    bad_lines: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _BadRow(ValueError):
+    pass
+
+
+def _dump(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as err:
+        raise _BadRow(f"value is not JSON-serializable: {err}") from None
+
+
+def _convert(obj: Any, opts: DatasetOptions) -> tuple[str, str | None, str, str]:
+    """One source row -> (prompt, label, metadata) as JSON, and the text to measure."""
+    if not isinstance(obj, dict):
+        raise _BadRow(f"row is a JSON {type(obj).__name__}, not an object")
+    if opts.input_key not in obj:
+        raise _BadRow(f"missing input key {opts.input_key!r}")
+    prompt = obj[opts.input_key]
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        text = "\n".join(m["content"] for m in prompt if isinstance(m.get("content"), str))
+    else:
+        raise _BadRow(f"input key {opts.input_key!r} must be a string or a list of chat messages")
+    label = None
+    if opts.label_key is not None:
+        if opts.label_key not in obj:
+            raise _BadRow(f"missing label key {opts.label_key!r}")
+        label = _dump(obj[opts.label_key])
+    metadata = obj.get(opts.metadata_key) or {}
+    if not isinstance(metadata, dict):
+        raise _BadRow(f"metadata key {opts.metadata_key!r} must be an object")
+    if opts.tool_key is not None and obj.get(opts.tool_key) is not None:
+        tools = obj[opts.tool_key]
+        if isinstance(tools, str):
+            try:
+                tools = orjson.loads(tools)
+            except orjson.JSONDecodeError:
+                raise _BadRow(f"tool key {opts.tool_key!r} is a string but not JSON") from None
+        if not isinstance(tools, list):
+            raise _BadRow(f"tool key {opts.tool_key!r} must be a list (or a JSON string of one)")
+        metadata = {**metadata, "tools": tools}
+    return _dump(prompt), label, _dump(metadata), text
+
+
+def _jsonl_objects(path: Path, line_limit: int) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded object or _BadRow) per non-blank line, reading at most
+    `line_limit` bytes of any line into memory."""
+    with path.open("rb") as f:
+        line_no = 0
+        while True:
+            line = f.readline(line_limit + 1)
+            if not line:
+                return
+            line_no += 1
+            if len(line) > line_limit and not line.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass  # drain the rest of the overlong line without keeping it
+                yield line_no, _BadRow(f"line is longer than {line_limit} bytes")
+                continue
+            stripped = line.strip()
+            if not stripped:
+                continue
+            try:
+                stripped.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield line_no, _BadRow(f"not valid UTF-8 (byte {err.start})")
+                continue
+            try:
+                yield line_no, orjson.loads(stripped)
+            except orjson.JSONDecodeError as err:
+                yield line_no, _BadRow(f"not valid JSON: {err}")
+
+
+def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        source = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DatasetError(f"not a readable Parquet file: {err}") from None
+    row = 0
+    for batch in source.iter_batches(batch_size=BATCH_ROWS):
+        for obj in batch.to_pylist():
+            row += 1
+            yield row, obj
+
+
+class DatasetStore:
+    """Uploads, versions and (cached) reads of datasets under one lake root."""
+
+    def __init__(self, lake_root: str, spool_dir: Path, *, tokenizers: dict[str, Path],
+                 line_limit: int):
+        self.root = f"{lake_root.rstrip('/')}/datasets"
+        self.spool_dir = spool_dir
+        self.tokenizer_paths = tokenizers
+        self.line_limit = line_limit
+        self._tokenizers: dict[str, Any] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._cache: OrderedDict[tuple[str, int], pa.Table] = OrderedDict()
+
+    def uri(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def table(self, name: str, version: int | None = None) -> DeltaTable | None:
+        """The dataset's Delta table at `version` (latest if None); None if either is unknown."""
+        try:
+            dt = DeltaTable(self.uri(name))
+        except TableNotFoundError:
+            return None
+        if version is not None:
+            if version > dt.version():
+                return None
+            dt.load_as_version(version)
+        return dt
+
+    def ingest(self, name: str, upload: Path, fmt: Format, opts: DatasetOptions) -> UploadReport:
+        """Parse, slice, filter and store `upload` as the next version of `name`."""
+        measure = self._measure(opts)
+        spool = upload.with_suffix(".spool.parquet")
+        try:
+            valid, bad, bad_count = self._spool(upload, fmt, opts, spool)
+            if valid == 0:
+                raise DatasetError("the upload holds no valid rows", bad, bad_count)
+            lo, hi, _ = slice(opts.start, opts.end).indices(valid)
+            kept = 0
+            filtered = 0
+
+            def rows() -> Iterator[pa.RecordBatch]:
+                nonlocal kept, filtered
+                seen = 0
+                for batch in pq.ParquetFile(spool).iter_batches(batch_size=BATCH_ROWS):
+                    first, seen = seen, seen + batch.num_rows
+                    batch = batch.slice(max(lo - first, 0), max(min(hi - first, batch.num_rows), 0))
+                    if batch.num_rows == 0:
+                        continue
+                    lengths = pa.array(measure(batch.column("text").to_pylist()), pa.int64())
+                    if opts.max_prompt_len is not None:
+                        keep = pc.less_equal(lengths, opts.max_prompt_len)
+                        filtered += batch.num_rows - pc.sum(keep).as_py()
+                        batch, lengths = batch.filter(keep), lengths.filter(keep)
+                    n = batch.num_rows
+                    if n == 0:
+                        continue
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array(range(kept, kept + n), pa.int64()), batch.column("source_line"),
+                         batch.column("prompt"), batch.column("label"),
+                         batch.column("metadata"), lengths],
+                        schema=DATASET_ROWS.schema,
+                    )
+                    kept += n
+
+            batches = rows()
+            first = next(batches, None)
+            if first is None:  # checked before writing, so no empty version is committed
+                raise DatasetError(
+                    f"no rows left after slicing {valid} valid rows to [{lo}:{hi}] and "
+                    f"filtering by max_prompt_len={opts.max_prompt_len}", bad, bad_count)
+            version = self._write(name, itertools.chain([first], batches), opts)
+        finally:
+            spool.unlink(missing_ok=True)
+        return UploadReport(
+            name=name, version=version, valid_rows=valid, rows_kept=kept,
+            rows_sliced_out=valid - max(hi - lo, 0), rows_filtered=filtered,
+            length_unit="tokens" if opts.tokenizer else "characters",
+            bad_line_count=bad_count, bad_lines=bad,
+        )
+
+    def rows(self, name: str, version: int) -> pa.Table:
+        """The whole dataset version in memory, for prompt serving (few versions cached)."""
+        key = (name, version)
+        with self._guard:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        dt = self.table(name, version)
+        if dt is None:
+            raise DatasetError(f"dataset {name!r} does not exist")
+        table = dt.to_pyarrow_table(columns=["row", "prompt", "label", "metadata"]).sort_by("row")
+        with self._guard:
+            self._cache[key] = table
+            while len(self._cache) > 4:
+                self._cache.popitem(last=False)
+        return table
+
+    def _spool(self, upload: Path, fmt: Format, opts: DatasetOptions,
+               spool: Path) -> tuple[int, list[dict[str, Any]], int]:
+        objects = _jsonl_objects(upload, self.line_limit) if fmt == "jsonl" else _parquet_objects(upload)
+        bad: list[dict[str, Any]] = []
+        bad_count = valid = 0
+        columns: list[list[Any]] = [[] for _ in _SPOOL_SCHEMA]
+        with pq.ParquetWriter(spool, _SPOOL_SCHEMA) as writer:
+            for line_no, obj in objects:
+                try:
+                    if isinstance(obj, _BadRow):
+                        raise obj
+                    converted = _convert(obj, opts)
+                except _BadRow as err:
+                    bad_count += 1
+                    if len(bad) < MAX_BAD_LINES_REPORTED:
+                        bad.append({"line": line_no, "reason": str(err)})
+                    continue
+                for column, value in zip(columns, (line_no, *converted), strict=True):
+                    column.append(value)
+                valid += 1
+                if len(columns[0]) >= BATCH_ROWS:
+                    writer.write_batch(pa.record_batch(columns, schema=_SPOOL_SCHEMA))
+                    columns = [[] for _ in _SPOOL_SCHEMA]
+            if columns[0]:
+                writer.write_batch(pa.record_batch(columns, schema=_SPOOL_SCHEMA))
+        return valid, bad, bad_count
+
+    def _measure(self, opts: DatasetOptions):
+        if opts.tokenizer is None:
+            return lambda texts: [len(t) for t in texts]
+        tokenizer = self._tokenizer(opts.tokenizer)
+        return lambda texts: [
+            len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ]
+
+    def _tokenizer(self, name: str) -> Any:
+        if name not in self.tokenizer_paths:
+            known = ", ".join(sorted(self.tokenizer_paths)) or "none configured"
+            raise UnknownTokenizer(f"unknown tokenizer {name!r} (known: {known})")
+        with self._guard:
+            if name not in self._tokenizers:
+                from transformers import AutoTokenizer  # heavy: imported on first use only
+
+                self._tokenizers[name] = AutoTokenizer.from_pretrained(
+                    str(self.tokenizer_paths[name]), local_files_only=True
+                )
+            return self._tokenizers[name]
+
+    def _write(self, name: str, batches: Iterator[pa.RecordBatch], opts: DatasetOptions) -> int:
+        with self._guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        # One upload per dataset at a time: concurrent overwrites would conflict in Delta.
+        with lock:
+            reader = pa.RecordBatchReader.from_batches(DATASET_ROWS.schema, batches)
+            meta = {"rolloutlake.dataset_options": orjson.dumps(opts.__dict__).decode()}
+            write_deltalake(self.uri(name), reader, mode="overwrite",
+                            commit_properties=CommitProperties(custom_metadata=meta))
+            return DeltaTable(self.uri(name)).version()

@@ -1,0 +1,132 @@
+"""The gateway's connection to Kafka: one `RolloutPublisher`, rebuilt after a broker outage.
+
+Requests never wait for a connection: while none is up they fail fast with
+`BrokerUnavailableError` (HTTP 503) and a background thread keeps reconnecting. A
+publisher whose sends failed is replaced, because an idempotent producer that lost its
+broker keeps failing with `UnknownProducerIdError` once a fresh broker answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from kafka.errors import KafkaError
+
+from ingest.kafka_io import KafkaSettings
+from ingest.publisher import RolloutPublisher
+from schemas.errors import BrokerUnavailableError, RolloutlakeError
+
+log = logging.getLogger(__name__)
+
+RECONNECT_INTERVAL_S = 1.0
+
+# (topic, key, value) of one message, already validated and encoded.
+Record = tuple[str, bytes, bytes]
+
+
+class GatewayProducer:
+    """Owns the publisher; `send` publishes records and waits for every ack."""
+
+    def __init__(self, kafka: KafkaSettings, *, publish_timeout_s: float):
+        self.kafka = kafka
+        self.topics = kafka.topics
+        self.publish_timeout_s = publish_timeout_s
+        self._publisher: RolloutPublisher | None = None
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._connected = threading.Event()
+        self._connector: threading.Thread | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def start(self, wait_s: float) -> None:
+        """Start connecting; wait up to `wait_s` for the first connection."""
+        self._reconnect()
+        self._connected.wait(wait_s)
+
+    def publisher(self) -> RolloutPublisher:
+        """The live publisher, or `BrokerUnavailableError` while (re)connecting."""
+        publisher = self._publisher
+        if publisher is None:
+            raise BrokerUnavailableError(
+                f"no Kafka broker answers at {self.kafka.bootstrap_servers}; reconnecting"
+            )
+        return publisher
+
+    def send(self, records: Sequence[Record]) -> None:
+        """Publish all records and wait for their acks; any failure -> BrokerUnavailableError.
+
+        A failed batch may be partly delivered: callers make retries safe by reusing
+        event ids, which the processor applies once.
+        """
+        publisher = self.publisher()
+        deadline = time.monotonic() + self.publish_timeout_s
+        try:
+            futures = [publisher.send_raw(topic, key, value) for topic, key, value in records]
+            for future in futures:
+                future.get(timeout=max(0.0, deadline - time.monotonic()))
+        except (KafkaError, BrokerUnavailableError) as err:
+            self._discard(publisher)
+            raise BrokerUnavailableError(
+                f"the broker did not acknowledge the events within {self.publish_timeout_s} s "
+                f"({type(err).__name__})"
+            ) from None
+
+    def close(self) -> None:
+        """Graceful shutdown: flush what was sent, stop reconnecting."""
+        self._stopping.set()
+        with self._lock:
+            publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            try:
+                publisher.close()
+            except RolloutlakeError as err:
+                log.warning("producer flush at shutdown failed: %s", err)
+
+    def _discard(self, publisher: RolloutPublisher) -> None:
+        with self._lock:
+            if self._publisher is not publisher:
+                return  # another request already replaced it
+            self._publisher = None
+            self._connected.clear()
+        # Closing waits for the failed records to time out; do it off the request path.
+        threading.Thread(target=_close_quietly, args=(publisher,), daemon=True).start()
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        with self._lock:
+            if self._connector is not None and self._connector.is_alive():
+                return
+            self._connector = threading.Thread(
+                target=self._connect_loop, name="gateway-kafka-connect", daemon=True
+            )
+            self._connector.start()
+
+    def _connect_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                publisher = RolloutPublisher(self.kafka)
+            except RolloutlakeError as err:
+                log.warning("kafka not reachable, retrying: %s", err)
+                self._stopping.wait(RECONNECT_INTERVAL_S)
+                continue
+            with self._lock:
+                if not self._stopping.is_set():
+                    self._publisher = publisher
+                    self._connected.set()
+                    log.info("connected to kafka at %s", self.kafka.bootstrap_servers)
+                    return
+            _close_quietly(publisher)  # shutdown began while connecting
+            return
+
+
+def _close_quietly(publisher: RolloutPublisher) -> None:
+    try:
+        publisher.close()
+    except (RolloutlakeError, KafkaError) as err:
+        log.debug("closing a failed producer: %s", err)

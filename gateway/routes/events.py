@@ -1,0 +1,152 @@
+"""`POST /v1/events`: validated, all-or-nothing event ingest for external environments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from gateway.auth import Principal
+from gateway.dedup import RecentIds
+from gateway.deps import MetricsDep, PrincipalDep, ProducerDep, RecentIdsDep, require
+from gateway.errors import ApiError
+from gateway.observability import GatewayMetrics
+from gateway.producer import GatewayProducer, Record
+from ingest.kafka_io import MAX_EVENT_BYTES
+from schemas.errors import BrokerUnavailableError, EventValidationError
+from schemas.events import AnyEvent, encode_event, event_group_key, parse_event
+
+router = APIRouter(tags=["events"])
+
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl", "application/ndjson")
+
+
+class EventsAccepted(BaseModel):
+    accepted: int
+    """Events published now."""
+    duplicates: int
+    """Events skipped because this gateway already accepted their `event_id`."""
+
+
+class EventError(BaseModel):
+    index: int | None
+    """0-based position of the event in the body (NDJSON: among non-blank lines)."""
+    field: str
+    reason: str
+
+
+class EventsRejected(BaseModel):
+    detail: str
+    errors: list[EventError]
+
+
+_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "array", "items": {"type": "object"}}},
+            "application/x-ndjson": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+def _reject(errors: list[dict[str, Any]], total: int) -> ApiError:
+    return ApiError(422, f"{len(errors)} of {total} events are invalid; nothing was published",
+                    errors=errors)
+
+
+def _decode(body: bytes, content_type: str) -> list[Any]:
+    if content_type.split(";")[0].strip().lower() in NDJSON_TYPES:
+        items, errors = [], []
+        for line in (raw.strip() for raw in body.split(b"\n")):
+            if not line:
+                continue
+            try:
+                items.append(orjson.loads(line))
+            except orjson.JSONDecodeError as err:
+                errors.append({"index": len(items), "field": "(event)",
+                               "reason": f"line is not valid JSON: {err}"})
+                items.append(None)
+        if errors:
+            raise _reject(errors, len(items))
+        return items
+    try:
+        items = orjson.loads(body)
+    except orjson.JSONDecodeError as err:
+        raise _reject([{"index": None, "field": "(body)",
+                        "reason": f"body is not valid JSON: {err}"}], 0) from None
+    if not isinstance(items, list):
+        raise _reject([{"index": None, "field": "(body)",
+                        "reason": "body must be a JSON array of events (or NDJSON)"}], 0)
+    return items
+
+
+def _record(event: AnyEvent, value: bytes, producer: GatewayProducer) -> Record:
+    if event.type == "run_started":
+        return producer.topics.runs, event.run_id.encode(), value
+    return producer.topics.events, event_group_key(event.run_id, event.group_index), value
+
+
+def _validate_and_publish(items: list[Any], principal: Principal, producer: GatewayProducer,
+                          recent: RecentIds, metrics: GatewayMetrics) -> EventsAccepted:
+    events: list[tuple[AnyEvent, bytes]] = []
+    errors: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        try:
+            event = parse_event(item)
+        except EventValidationError as err:
+            errors.append({"index": index, "field": err.field or "(event)", "reason": str(err)})
+            continue
+        value = encode_event(event)
+        if len(value) > MAX_EVENT_BYTES:
+            errors.append({"index": index, "field": "(event)",
+                           "reason": f"event is {len(value)} bytes encoded; the limit is "
+                                     f"{MAX_EVENT_BYTES} bytes"})
+            continue
+        events.append((event, value))
+    if errors:
+        raise _reject(errors, len(items))
+    for run_id in sorted({event.run_id for event, _ in events}):
+        require(principal, "write", run_id)
+    fresh, dups = recent.claim([event.event_id for event, _ in events])
+    fresh_ids = [events[i][0].event_id for i in fresh]
+    try:
+        producer.send([_record(*events[i], producer) for i in fresh])
+    except BrokerUnavailableError:
+        recent.release(fresh_ids)
+        metrics.publish_errors.inc()
+        raise
+    recent.commit(fresh_ids)
+    metrics.events_accepted.inc(len(fresh))
+    metrics.event_duplicates.inc(len(dups))
+    return EventsAccepted(accepted=len(fresh), duplicates=len(dups))
+
+
+@router.post(
+    "/v1/events",
+    status_code=202,
+    openapi_extra=_BODY_DOC,
+    responses={
+        413: {"description": "Body over the configured limit (default 64 MiB)."},
+        422: {"model": EventsRejected, "description": "Invalid events; none was published."},
+        503: {"description": "Kafka unavailable; retry with the same event ids."},
+    },
+)
+async def publish_events(request: Request, principal: PrincipalDep, producer: ProducerDep,
+                         recent: RecentIdsDep, metrics: MetricsDep) -> EventsAccepted:
+    """Publish a batch of events: a JSON array, or NDJSON (`application/x-ndjson`).
+
+    Every event is validated against CONTRACT section 2 first; if any is invalid the
+    answer is 422 with the index, field and reason of each bad event, and nothing is
+    published. Trajectory events are keyed `run_id:group_index`, `run_started` goes to the
+    runs topic. `duplicates` counts events whose `event_id` this gateway already accepted
+    (they are not published again). On 503 nothing is acknowledged; retrying with the
+    same `event_id`s is safe.
+    """
+    items = _decode(await request.body(), request.headers.get("content-type", ""))
+    return await run_in_threadpool(_validate_and_publish, items, principal, producer, recent,
+                                   metrics)

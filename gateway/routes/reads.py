@@ -1,0 +1,137 @@
+"""Reads of what the processor wrote: step manifests, step metrics, the audit of a group.
+
+Tables that do not exist yet read as empty (`Lake.read`), so a fresh run answers with an
+empty list or a 404 that says what is missing, never a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import orjson
+import pyarrow.compute as pc
+from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from gateway.deps import LakeDep, ReadRun, RunIdPath
+from gateway.errors import ApiError
+from ingest.lake import Lake
+from schemas.tables import TRAINING_BATCHES
+
+router = APIRouter(tags=["reads"])
+
+NonNegative = Annotated[int, Path(ge=0)]
+TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
+
+
+class StepManifest(BaseModel):
+    run_id: str
+    step: int
+    manifest: dict[str, Any]
+    """The `steps` row: n_groups, n_samples, sealed_at, batch_version, content_sha256, ..."""
+    training_rows: int
+    """`training_batches` rows of the step at `batch_version`."""
+    groups: dict[str, int]
+    """Groups decided into this step (their `step`), by decision."""
+
+
+class StepMetrics(BaseModel):
+    step: int
+    metrics: dict[str, float]
+
+
+class RunMetrics(BaseModel):
+    run_id: str
+    steps: list[StepMetrics]
+
+
+class GroupAudit(BaseModel):
+    run_id: str
+    group_index: int
+    events: list[dict[str, Any]]
+    """Archived events in (partition, offset) order, payloads decoded."""
+    decision: dict[str, Any] | None
+    """The `groups` row (decision, reason, step, batch_step, ...); null while undecided."""
+    samples: list[dict[str, Any]]
+    training_rows: list[dict[str, Any]]
+    """The `training_batches` rows it fed, without token arrays."""
+
+
+def _run(run_id: str, *more: pc.Expression) -> pc.Expression:
+    expr = pc.field("run_id") == run_id
+    for extra in more:
+        expr = expr & extra
+    return expr
+
+
+def _manifest(lake: Lake, run_id: str, step: int) -> StepManifest:
+    steps = lake.read("steps", filter=_run(run_id, pc.field("step") == step)).to_pylist()
+    if not steps:
+        raise ApiError(404, f"step {step} of run {run_id!r} is not sealed (no `steps` row)")
+    row = steps[0]
+    batch = lake.read("training_batches", filter=_run(run_id, pc.field("step") == step),
+                      columns=["position"], version=row["batch_version"])
+    decided = lake.read("groups", filter=_run(run_id, pc.field("step") == step),
+                        columns=["decision"])
+    counts = decided["decision"].value_counts().to_pylist() if decided.num_rows else []
+    return StepManifest(run_id=run_id, step=step, manifest=row, training_rows=batch.num_rows,
+                        groups={c["values"]: c["counts"] for c in counts})
+
+
+@router.get("/v1/runs/{run_id}/steps/{step}",
+            responses={404: {"description": "The step is not sealed."}})
+async def get_step(run_id: RunIdPath, step: NonNegative, _: ReadRun,
+                   lake: LakeDep) -> StepManifest:
+    """The manifest of a sealed step, its training row count and its groups by decision."""
+    return await run_in_threadpool(_manifest, lake, run_id, step)
+
+
+def _metrics(lake: Lake, run_id: str, since_step: int | None) -> RunMetrics:
+    expr = _run(run_id) if since_step is None else _run(run_id, pc.field("step") > since_step)
+    rows = lake.read("step_metrics", filter=expr).sort_by([("step", "ascending"),
+                                                          ("key", "ascending")])
+    steps: dict[int, dict[str, float]] = {}
+    for step, key, value in zip(rows["step"].to_pylist(), rows["key"].to_pylist(),
+                                rows["value"].to_pylist(), strict=True):
+        steps.setdefault(step, {})[key] = value
+    return RunMetrics(run_id=run_id,
+                      steps=[StepMetrics(step=s, metrics=m) for s, m in steps.items()])
+
+
+@router.get("/v1/runs/{run_id}/metrics")
+async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
+                      since_step: Annotated[int | None, Query(
+                          ge=-1, description="Only steps after this one.")] = None) -> RunMetrics:
+    """Step metrics (Miles keys, CONTRACT section 5) per step, oldest first."""
+    return await run_in_threadpool(_metrics, lake, run_id, since_step)
+
+
+def _audit(lake: Lake, run_id: str, group_index: int) -> GroupAudit:
+    in_group = _run(run_id, pc.field("group_index") == group_index)
+    events = lake.read("events", filter=in_group).sort_by([("partition", "ascending"),
+                                                           ("offset", "ascending")])
+    decision = lake.read("groups", filter=in_group).to_pylist()
+    samples = lake.read("samples", filter=in_group).sort_by(
+        [("rollout_id", "ascending"), ("fragment_index", "ascending")])
+    columns = [c for c in TRAINING_BATCHES.schema.names if c not in TOKEN_COLUMNS]
+    training = lake.read("training_batches", filter=in_group, columns=columns).sort_by(
+        [("step", "ascending"), ("position", "ascending")])
+    if not events.num_rows and not decision and not samples.num_rows:
+        raise ApiError(404, f"group {group_index} of run {run_id!r} has no archived events "
+                            "and no decision (yet)")
+    return GroupAudit(
+        run_id=run_id, group_index=group_index,
+        events=[{**e, "payload": orjson.loads(e["payload"])} for e in events.to_pylist()],
+        decision=decision[0] if decision else None,
+        samples=samples.to_pylist(), training_rows=training.to_pylist(),
+    )
+
+
+@router.get("/v1/runs/{run_id}/groups/{group_index}",
+            responses={404: {"description": "Nothing is known about the group yet."}})
+async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRun,
+                          lake: LakeDep) -> GroupAudit:
+    """Audit one group: its events in order, its decision and reason, its samples and the
+    training rows it fed."""
+    return await run_in_threadpool(_audit, lake, run_id, group_index)

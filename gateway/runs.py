@@ -1,0 +1,106 @@
+"""Known runs, read from the `rollout.runs` topic in full (the topic is the source of truth).
+
+The gateway keeps no runs table of its own: runs started through the SDK and through
+`POST /v1/runs` are found the same way. The registry reads the compacted history once and
+then only the new tail on each lookup, so a `run_started` acknowledged by the broker is
+visible to the next request.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import cast
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+
+from ingest.kafka_io import KafkaSettings
+from schemas.errors import BrokerUnavailableError, EventValidationError
+from schemas.events import RunConfig, RunStarted, decode_event
+
+_RUN_STARTED = frozenset({"run_started"})
+POLL_MS = 200
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The latest `run_started` of a run (a later one replaces the config)."""
+
+    run_id: str
+    config: RunConfig
+    dataset: str | None
+    started_at: float | None
+    first_started_at: float | None
+    event_id: str
+
+
+class RunRegistry:
+    """Thread-safe view of every run announced on the runs topic."""
+
+    def __init__(self, kafka: KafkaSettings):
+        self.kafka = kafka
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunInfo] = {}
+        self._consumer = None
+        self._parts: list[TopicPartition] = []
+
+    def all(self) -> list[RunInfo]:
+        self.refresh()
+        return sorted(self._runs.values(), key=lambda r: r.run_id)
+
+    def get(self, run_id: str) -> RunInfo | None:
+        self.refresh()
+        return self._runs.get(run_id)
+
+    def refresh(self) -> None:
+        """Read the runs topic up to its current end; BrokerUnavailableError if down."""
+        with self._lock:
+            try:
+                consumer = self._connect()
+                end = consumer.end_offsets(self._parts)
+                while any(consumer.position(tp) < end[tp] for tp in self._parts):
+                    for records in consumer.poll(POLL_MS).values():
+                        for record in records:
+                            self._apply(record.value)
+            except KafkaError as err:
+                self._reset()
+                raise BrokerUnavailableError(
+                    f"could not read {self.kafka.topics.runs}: {type(err).__name__}"
+                ) from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def _connect(self):
+        if self._consumer is None:
+            consumer = self.kafka.consumer()
+            topic = self.kafka.topics.runs
+            partitions = consumer.partitions_for_topic(topic) or {0}
+            self._parts = [TopicPartition(topic, p) for p in sorted(partitions)]
+            consumer.assign(self._parts)
+            consumer.seek_to_beginning(*self._parts)
+            self._consumer = consumer
+        return self._consumer
+
+    def _reset(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+        self._consumer = None
+
+    def _apply(self, raw: bytes) -> None:
+        try:
+            event = decode_event(raw, allowed=_RUN_STARTED)
+        except EventValidationError:
+            return  # the processor dead-letters it; the gateway just does not list it
+        event = cast(RunStarted, event)
+        previous = self._runs.get(event.run_id)
+        self._runs[event.run_id] = RunInfo(
+            run_id=event.run_id,
+            config=event.config,
+            dataset=event.dataset if event.dataset is not None else getattr(previous, "dataset", None),
+            started_at=event.ts,
+            first_started_at=previous.first_started_at if previous else event.ts,
+            event_id=event.event_id,
+        )
