@@ -1,0 +1,153 @@
+"""What a trained step leaves behind (rank 0 only): its `trainer_steps` row, its W&B
+metrics, and every k steps Hugging Face weights plus a `weights_updated` message.
+
+Each output is idempotent, so the restart path can replay them for the last checkpointed
+step without duplicating anything: the Delta row carries `TxnMark("trainer-<run>", step)`,
+weights are written to a per-step folder by rename, and a repeated `weights_updated` names
+the same folder and version.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ingest.lake import Lake, TxnMark
+from schemas.control import WeightsUpdated
+from schemas.errors import BrokerUnavailableError
+from schemas.tables import TRAINER_STEPS
+from trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+# Miles names for the metrics it has (MILES_SEMANTICS 8.5 / Miles log_utils), so dashboards
+# carry over; the clip-bound split and token counts are rolloutlake additions.
+WANDB_KEYS = {
+    "loss": "train/loss",
+    "pg_loss": "train/pg_loss",
+    "pg_clipfrac": "train/pg_clipfrac",
+    "pg_clipfrac_low": "train/pg_clipfrac_low",
+    "pg_clipfrac_high": "train/pg_clipfrac_high",
+    "ppo_kl": "train/ppo_kl",
+    "kl": "train/kl_loss",
+    "entropy": "train/entropy_loss",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr-pg_0",
+    "tokens": "train/tokens",
+    "loss_tokens": "train/loss_tokens",
+    "seconds": "perf/train_time",
+}
+
+
+def wandb_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The W&B record of one `trainer_steps` row, keyed by `train/step`."""
+    metrics = {key: row[name] for name, key in WANDB_KEYS.items() if row.get(name) is not None}
+    metrics["train/step"] = row["step"]
+    return metrics
+
+
+def weights_path(config: TrainerConfig, step: int) -> Path:
+    return config.weights_dir / f"step_{step:09d}"
+
+
+class StepSink:
+    """Rank 0's writer of per-step outputs. W&B and Kafka are opened on first use."""
+
+    def __init__(self, config: TrainerConfig, lake: Lake):
+        self.config = config
+        self.lake = lake
+        self.app_id = f"trainer-{config.run_id}"
+        self._wandb_run: Any = None
+        self._producer: Any = None
+
+    def record(self, row: dict[str, Any]) -> bool:
+        """Append the step's `trainer_steps` row exactly once; log W&B when it was new."""
+        recorded = self.lake.txn_version(TRAINER_STEPS.name, self.app_id)
+        # Checked here as well as in Lake.append, which reads a recorded version 0 as
+        # "none" (`version or -1`) and would append step 0 twice.
+        if recorded is not None and recorded >= row["step"]:
+            return False
+        values = dict(row, trained_at=dt.datetime.fromtimestamp(row["trained_at"], dt.UTC))
+        table = pa.Table.from_pylist([values], schema=TRAINER_STEPS.schema)
+        version = self.lake.append(
+            TRAINER_STEPS.name, table, marks=[TxnMark(self.app_id, row["step"])]
+        )
+        if version is None:
+            return False
+        self._log_wandb(row)
+        return True
+
+    def _log_wandb(self, row: dict[str, Any]) -> None:
+        if self.config.wandb_mode == "disabled":
+            return
+        if self._wandb_run is None:
+            import wandb
+
+            self.config.run_dir.mkdir(parents=True, exist_ok=True)
+            self._wandb_run = wandb.init(
+                project=self.config.wandb_project,
+                name=f"{self.config.run_id}-trainer",
+                id=f"{self.config.run_id}-trainer",
+                resume="allow",
+                dir=str(self.config.run_dir),
+                mode=self.config.wandb_mode,
+                config=self.config.model_dump(mode="json"),
+            )
+            self._wandb_run.define_metric("train/step")
+            self._wandb_run.define_metric("train/*", step_metric="train/step")
+            self._wandb_run.define_metric("perf/*", step_metric="train/step")
+        self._wandb_run.log(wandb_metrics(row))
+
+    def save_weights(self, model: Any, state_dict: dict[str, Any], step: int) -> Path:
+        """Write HF weights for `step` to a temporary folder, then rename it into place,
+        so a rollout engine never loads a half-written folder."""
+        final = weights_path(self.config, step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tmp.rename(final)
+        return final
+
+    def publish_weights(self, step: int, path: Path, version: int) -> None:
+        """Send `weights_updated` keyed by run_id, when Kafka is configured."""
+        if self.config.bootstrap_servers is None:
+            return
+        message = WeightsUpdated(
+            run_id=self.config.run_id, step=step, path=str(path.resolve()), version=version
+        )
+        producer = self._kafka()
+        producer.send(
+            self.config.control_topic,
+            key=self.config.run_id.encode(),
+            value=message.model_dump_json().encode(),
+        ).get(timeout=30)
+        log.info("published weights_updated step=%d version=%d path=%s", step, version, path)
+
+    def _kafka(self) -> Any:
+        if self._producer is None:
+            from kafka import KafkaProducer
+            from kafka.errors import NoBrokersAvailable
+
+            try:
+                self._producer = KafkaProducer(
+                    bootstrap_servers=self.config.bootstrap_servers.split(","),
+                    acks="all",
+                    enable_idempotence=True,
+                )
+            except NoBrokersAvailable:
+                raise BrokerUnavailableError(
+                    f"--bootstrap-servers: no Kafka broker at {self.config.bootstrap_servers}"
+                ) from None
+        return self._producer
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush()
+            self._producer.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
