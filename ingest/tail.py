@@ -1,0 +1,124 @@
+"""Tailing a run in the lake: rows appended since the last look, and steps as they seal.
+
+The dashboards, `rolloutlake watch` and `rolloutlake wandb-sync --follow` all follow a
+live run. Re-reading a table on every poll costs a scan of all its files; instead a tail
+compares the Delta version (one log read) and, when it moved, reads only the data files it
+has not seen. A file rewritten by compaction is read again, so consumers deduplicate on
+the table key (the step for `StepTail`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from ingest.lake import Lake
+
+
+class TableTail:
+    """Rows of one run appended to one Delta table since the previous `poll`."""
+
+    def __init__(self, lake: Lake, table: str, run_id: str, columns: Sequence[str] | None = None):
+        # A private Lake: its DeltaTable handle is refreshed from a polling thread and must
+        # not be shared with a writer or another poller.
+        self._lake = Lake(lake.root, lake.storage_options)
+        self.table = table
+        self.run_id = run_id
+        self.columns = list(columns) if columns else None
+        self.version: int | None = None
+        self._seen: set[str] = set()
+
+    def poll(self) -> pa.Table | None:
+        """New rows of the run, or None when the table did not change (or does not exist).
+
+        Never creates the table: readers must not write to the lake.
+        """
+        if not self._lake.exists(self.table):
+            return None
+        dt = self._lake.refresh(self.table)
+        version = dt.version()
+        if version == self.version:
+            return None
+        self.version = version
+        dataset = dt.to_pyarrow_dataset()
+        fresh = [f for f in dataset.get_fragments() if f.path not in self._seen]
+        self._seen.update(f.path for f in fresh)
+        if not fresh:
+            return None
+        subset = ds.FileSystemDataset(fresh, dataset.schema, dataset.format, dataset.filesystem)
+        # The partition expression of each fragment carries run_id and min/max stats, so
+        # other runs' files are skipped without being opened.
+        return subset.to_table(filter=ds.field("run_id") == self.run_id, columns=self.columns)
+
+
+@dataclass(slots=True)
+class SealedStep:
+    """A sealed step of a run with all its `step_metrics` values."""
+
+    step: int
+    sealed_at: datetime
+    n_groups: int
+    n_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class StepTail:
+    """Sealed steps of one run, each returned once, when both its rows are visible.
+
+    A step is ready when its `steps` row and its `step_metrics` rows are in the lake; the
+    processor writes a step's metrics in one commit, so the first metrics seen for a step
+    are all of them (whichever of the two tables it commits first). Steps seal in step
+    order (CONTRACT section 3: kept groups fill the oldest open step), so ready steps are
+    returned sorted by step, and the step number is a resumable cursor.
+    """
+
+    def __init__(self, lake: Lake, run_id: str, after: int | None = None):
+        self.run_id = run_id
+        self.last_step = after  # highest step returned so far
+        self._steps = TableTail(lake, "steps", run_id, ["step", "sealed_at", "n_groups", "n_samples"])
+        self._metrics = TableTail(lake, "step_metrics", run_id, ["step", "key", "value"])
+        self._sealed: dict[int, SealedStep] = {}
+        self._values: dict[int, dict[str, float]] = {}
+
+    def _unseen(self, step: int) -> bool:
+        return self.last_step is None or step > self.last_step
+
+    def poll(self) -> list[SealedStep]:
+        """Steps that became ready since the previous poll, in step order."""
+        # Metrics first: a step whose steps row lands between the two reads waits one poll
+        # instead of being returned before its metrics.
+        metrics = self._metrics.poll()
+        if metrics is not None:
+            for step, key, value in zip(
+                metrics["step"].to_pylist(),
+                metrics["key"].to_pylist(),
+                metrics["value"].to_pylist(),
+                strict=True,
+            ):
+                if self._unseen(step):
+                    self._values.setdefault(step, {})[key] = value
+        steps = self._steps.poll()
+        if steps is not None:
+            for row in steps.to_pylist():
+                if self._unseen(row["step"]):
+                    self._sealed[row["step"]] = SealedStep(
+                        row["step"], row["sealed_at"], row["n_groups"], row["n_samples"]
+                    )
+        # A sealed step still waiting for its metrics holds back the steps after it, so the
+        # cursor never passes a step that has not been returned.
+        waiting = min((s for s in self._sealed if s not in self._values), default=None)
+        ready = sorted(
+            s for s in self._sealed if s in self._values and (waiting is None or s < waiting)
+        )
+        out = []
+        for step in ready:
+            sealed = self._sealed.pop(step)
+            sealed.metrics = self._values.pop(step)
+            out.append(sealed)
+        if out:
+            self.last_step = out[-1].step
+        return out

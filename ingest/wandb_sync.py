@@ -1,0 +1,131 @@
+"""`rolloutlake wandb-sync`: log a run's sealed-step metrics to Weights & Biases.
+
+Each sealed step is logged once with `step=<step>` under its `step_metrics` keys, which
+are Miles' keys, so existing W&B panels work unchanged. W&B runs offline unless the user
+sets `WANDB_MODE` (or `--mode online`): nothing leaves the machine by default.
+
+Resume: after a batch of steps is handed to W&B, the last step is committed as the Delta
+transaction version of the `wandb_sync` table (one app id per W&B run), next to a row
+recording the batch. A restart reads that version and logs only later steps, so a
+restarted sync never re-logs a synced step. A crash between handing steps to W&B and
+the commit re-logs at most that batch; W&B keeps one value per key and step when the
+runs are synced or resumed online, so even that window leaves no duplicate on the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+
+from ingest.lake import Lake, TxnMark
+from ingest.tail import StepTail
+from schemas.errors import ConfigError, RolloutlakeError
+from schemas.tables import WANDB_SYNC
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROJECT = "rolloutlake"
+
+
+def _app_id(project: str, wandb_id: str) -> str:
+    # Per W&B run: syncing the same lake run to a second project starts from scratch.
+    return f"wandb-sync/{project}/{wandb_id}"
+
+
+def last_synced_step(lake: Lake, *, project: str, wandb_id: str) -> int | None:
+    """The last step durably recorded as logged to this W&B run, None before the first."""
+    if not lake.exists(WANDB_SYNC.name):
+        return None
+    return lake.txn_version(WANDB_SYNC.name, _app_id(project, wandb_id))
+
+
+def sync_run(
+    lake: Lake,
+    run_id: str,
+    *,
+    project: str = DEFAULT_PROJECT,
+    entity: str | None = None,
+    wandb_id: str | None = None,
+    wandb_dir: str | Path | None = None,
+    mode: str | None = None,
+    follow: bool = False,
+    poll_s: float = 2.0,
+    stop: threading.Event | None = None,
+) -> int:
+    """Log every sealed step of `run_id` not yet synced; returns how many were logged.
+
+    With `follow`, keeps logging steps as they seal until `stop` is set (the processor
+    runs it in a thread this way); without, logs what is sealed now and returns.
+    `mode` defaults to `$WANDB_MODE`, else `offline`.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise RolloutlakeError("wandb is not installed (pip install 'rolloutlake[trainer]')") from None
+    wandb_id = wandb_id or run_id
+    mode = mode or os.environ.get("WANDB_MODE") or "offline"
+    app_id = _app_id(project, wandb_id)
+    after = last_synced_step(lake, project=project, wandb_id=wandb_id)
+    tail = StepTail(lake, run_id, after=after)
+    stop = stop or threading.Event()
+    run = wandb.init(
+        project=project, entity=entity, id=wandb_id, resume="allow", mode=mode,
+        dir=str(wandb_dir) if wandb_dir else None, job_type="rollout-metrics",
+        config={"rolloutlake_run_id": run_id}, settings=wandb.Settings(silent=True),
+    )
+    log.info("wandb-sync run=%s wandb=%s/%s mode=%s after step %s",
+             run_id, project, wandb_id, mode, after)
+    logged = 0
+    try:
+        while True:
+            steps = tail.poll()
+            for s in steps:
+                run.log(s.metrics, step=s.step)
+            if steps:
+                row = pa.table({
+                    "run_id": [run_id], "wandb_run": [f"{project}/{wandb_id}"],
+                    "last_step": [steps[-1].step], "n_steps": [len(steps)],
+                    "synced_at": [datetime.now(UTC)],
+                })
+                lake.append(WANDB_SYNC.name, row, marks=[TxnMark(app_id, steps[-1].step)])
+                logged += len(steps)
+                log.info("wandb-sync run=%s logged steps %d..%d",
+                         run_id, steps[0].step, steps[-1].step)
+            if not follow or stop.wait(poll_s):
+                return logged
+    finally:
+        run.finish()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lake", required=True, help="Delta lake root (folder or s3:// URI)")
+    parser.add_argument("--run", required=True, dest="run_id", help="run id to sync")
+    parser.add_argument("--project", default=DEFAULT_PROJECT, help="W&B project")
+    parser.add_argument("--entity", default=None, help="W&B entity (team or user)")
+    parser.add_argument("--wandb-id", default=None, help="W&B run id (default: the run id)")
+    parser.add_argument("--wandb-dir", default=None, help="where W&B writes run files")
+    parser.add_argument("--mode", choices=("offline", "online"), default=None,
+                        help="W&B mode (default: $WANDB_MODE, else offline)")
+    parser.add_argument("--follow", action="store_true", help="keep syncing steps as they seal")
+    parser.add_argument("--poll", type=float, default=2.0, help="seconds between lake checks")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.poll <= 0:
+        raise ConfigError("--poll must be > 0 seconds")
+    lake = Lake(args.lake)
+    if not args.follow and not lake.exists("steps"):
+        raise ConfigError(f"--lake: no steps table under {args.lake}; is it the lake root?")
+    n = sync_run(
+        lake, args.run_id, project=args.project, entity=args.entity,
+        wandb_id=args.wandb_id, wandb_dir=args.wandb_dir, mode=args.mode,
+        follow=args.follow, poll_s=args.poll,
+    )
+    print(f"logged {n} steps of run {args.run_id} to W&B")
+    return 0
