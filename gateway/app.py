@@ -22,7 +22,7 @@ from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics, LimitBody, ObserveRequests
 from gateway.producer import GatewayProducer
 from gateway.prompts import PromptService
-from gateway.routes import datasets, events, health, prompts, reads, runs
+from gateway.routes import dashboard, datasets, events, health, prompts, reads, runs, stream
 from gateway.runs import RunRegistry
 from ingest.lake import Lake
 from schemas.errors import BrokerUnavailableError
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 ROUTERS: list[APIRouter] = [
     health.router, events.router, runs.router, datasets.router, prompts.router, reads.router,
+    stream.router, dashboard.router,
 ]
 # How long start-up waits for Kafka before serving anyway (requests get 503 until it answers).
 KAFKA_STARTUP_WAIT_S = 10.0
