@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m ingest.demo
+	$(VENV)/bin/rolloutlake demo
 
 test: install
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench

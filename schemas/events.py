@@ -6,7 +6,6 @@ the producer SDK, the gateway and the stream processor all validate through them
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -31,6 +30,7 @@ EventId = Annotated[str, Field(min_length=1, max_length=128)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenIds = list[StrictInt]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 LossMask = list[Literal[0, 1]]
 # A reward keeps its JSON type: int 0 and float 0.0 give different DAPO drop reasons.
 Reward = StrictBool | StrictInt | StrictFloat | dict[str, Any] | None
@@ -141,7 +141,7 @@ class _FragmentFields(_Event):
     loss_mask: LossMask | None = Field(
         default=None, description="0/1 per response token; absent means all ones."
     )
-    rollout_log_probs: list[float] | None = None
+    rollout_log_probs: list[FiniteFloat] | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -152,15 +152,12 @@ class _FragmentFields(_Event):
                 "loss_mask",
                 f"loss_mask has {len(self.loss_mask)} entries but response_tokens has {n}"
             )
-        if self.rollout_log_probs is not None:
-            if len(self.rollout_log_probs) != n:
-                raise FieldValueError(
-                    "rollout_log_probs",
-                    f"rollout_log_probs has {len(self.rollout_log_probs)} entries but "
-                    f"response_tokens has {n}"
-                )
-            if any(math.isnan(x) for x in self.rollout_log_probs):
-                raise FieldValueError("rollout_log_probs", "rollout_log_probs contains NaN")
+        if self.rollout_log_probs is not None and len(self.rollout_log_probs) != n:
+            raise FieldValueError(
+                "rollout_log_probs",
+                f"rollout_log_probs has {len(self.rollout_log_probs)} entries but "
+                f"response_tokens has {n}"
+            )
         return self
 
 

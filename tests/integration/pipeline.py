@@ -1,0 +1,73 @@
+"""Helpers for end-to-end tests: publish raw events, run the processor until idle, read."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import orjson
+import pyarrow.compute as pc
+
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.main import Processor
+from ingest.publisher import RolloutPublisher
+from schemas.events import event_group_key
+
+_ids = itertools.count()
+
+
+def event(kind: str, run_id: str, **fields: Any) -> dict[str, Any]:
+    """A contract event as a dict, with a fresh event_id unless one is given."""
+    fields.setdefault("event_id", f"e{next(_ids)}")
+    return {"type": kind, "schema_version": 1, "run_id": run_id, **fields}
+
+
+def sample(run_id: str, group_index: int, rollout_id: int, reward: Any = 1.0, *,
+           length: int = 4, **fields: Any) -> dict[str, Any]:
+    body = dict(group_index=group_index, rollout_id=rollout_id, status="completed",
+                prompt_tokens=[1, 2], response_tokens=list(range(10, 10 + length)),
+                rollout_log_probs=[-0.5] * length)
+    if reward is not ...:
+        body["reward"] = reward
+    body.update(fields)
+    return event("sample_finished", run_id, **body)
+
+
+def publish(kafka: KafkaSettings, run_id: str, config: dict[str, Any] | None,
+            events: list[dict[str, Any] | bytes], *, key_group: int = 0) -> None:
+    """Publish `run_started` (when a config is given) then events as raw bytes, in order."""
+    with RolloutPublisher(kafka) as pub:
+        if config is not None:
+            pub.run_started(run_id, config)
+            pub.flush()
+        for body in events:
+            if isinstance(body, bytes):
+                pub.send_raw(pub.topics.events, event_group_key(run_id, key_group), body)
+                continue
+            key = event_group_key(run_id, body.get("group_index", key_group))
+            pub.send_raw(pub.topics.events, key, orjson.dumps(body))
+
+
+def run_processor(kafka: KafkaSettings, lake_root: str, idle_s: float = 1.5) -> Processor:
+    processor = Processor(ProcessorConfig(kafka=kafka, lake=lake_root, until_idle_s=idle_s))
+    processor.run()
+    return processor
+
+
+def rows(lake: Lake | str, table: str, run_id: str | None = None) -> list[dict[str, Any]]:
+    lake = lake if isinstance(lake, Lake) else Lake(lake)
+    flt = None if run_id is None or table == "dead_letters" else pc.field("run_id") == run_id
+    return lake.read(table, filter=flt).to_pylist()
+
+
+def by_group(lake: Lake | str, run_id: str) -> dict[int, dict[str, Any]]:
+    return {r["group_index"]: r for r in rows(lake, "groups", run_id)}
+
+
+def metrics(lake: Lake | str, run_id: str) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for r in rows(lake, "step_metrics", run_id):
+        out.setdefault(r["step"], {})[r["key"]] = r["value"]
+    return out
