@@ -9,7 +9,15 @@ import pytest
 from ingest.core.advantages import rollout_advantages
 from ingest.lake import Lake
 from schemas.tables import TABLES, content_sha256
-from tests.integration.pipeline import by_group, event, metrics, publish, rows, run_processor, sample
+from tests.integration.pipeline import (
+    by_group,
+    event,
+    metrics,
+    publish,
+    rows,
+    run_processor,
+    sample,
+)
 
 DAPO = {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
         "dynamic_sampling_filter_path": "ingest.filters.reward_nonzero_std"}
