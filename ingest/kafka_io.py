@@ -86,6 +86,7 @@ class KafkaSettings(BaseModel):
             auto_offset_reset="earliest",
             fetch_max_bytes=64 * 1024 * 1024,
             max_partition_fetch_bytes=MAX_REQUEST_BYTES,
+            fetch_max_wait_ms=50,  # latency: a seal waits on every hop's fetch
             request_timeout_ms=self.request_timeout_ms,
         )
         options.update(overrides)

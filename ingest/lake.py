@@ -101,8 +101,10 @@ class Lake:
         marks = list(marks)
         spec = self.spec(table)
         rows = rows.select(spec.schema.names).cast(spec.schema)
+        dt = self.ensure(table)
         for attempt in range(MAX_COMMIT_RETRIES):
-            dt = self.refresh(table)
+            # The loaded snapshot is current for the app ids this process writes; another
+            # writer's commit surfaces as CommitFailedError and the retry reloads.
             fresh = [m for m in marks if (dt.transaction_version(m.app_id) or -1) < m.version]
             if marks and not fresh:
                 return None
@@ -120,6 +122,7 @@ class Lake:
                 )
             except CommitFailedError:
                 log.warning("concurrent commit on %s, retrying (%d)", table, attempt + 1)
+                dt.update_incremental()
                 continue
             dt.update_incremental()
             return dt.version()

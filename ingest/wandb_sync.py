@@ -10,6 +10,10 @@ recording the batch. A restart reads that version and logs only later steps, so 
 restarted sync never re-logs a synced step. A crash between handing steps to W&B and
 the commit re-logs at most that batch; W&B keeps one value per key and step when the
 runs are synced or resumed online, so even that window leaves no duplicate on the server.
+W&B writes its files asynchronously and offers no flush short of `finish()`, which a
+normal stop (Ctrl-C, SIGTERM, the end of a non-follow sync) always runs; only a hard
+kill within about a second of a batch can leave that batch recorded but not in W&B's
+files (re-sync it with `--wandb-id` of a fresh W&B run).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,10 +127,14 @@ def run(args: argparse.Namespace) -> int:
     lake = Lake(args.lake)
     if not args.follow and not lake.exists("steps"):
         raise ConfigError(f"--lake: no steps table under {args.lake}; is it the lake root?")
+    stop = threading.Event()
+    # SIGTERM (a service manager stopping --follow) ends the loop like Ctrl-C, so W&B's
+    # finish() flushes what was logged.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     n = sync_run(
         lake, args.run_id, project=args.project, entity=args.entity,
         wandb_id=args.wandb_id, wandb_dir=args.wandb_dir, mode=args.mode,
-        follow=args.follow, poll_s=args.poll,
+        follow=args.follow, poll_s=args.poll, stop=stop,
     )
     print(f"logged {n} steps of run {args.run_id} to W&B")
     return 0

@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.core.advantages import AdvantageRow, row_advantages
+from ingest.core.bias_metrics import DecidedGroup as BiasGroup
+from ingest.core.bias_metrics import bias_metrics
 from ingest.core.decided import DecidedGroup, DecisionHeader
 from ingest.core.metrics import (
     MetricRow,
@@ -29,10 +31,9 @@ from ingest.core.metrics import (
     raw_reward_unfiltered,
 )
 from ingest.core.model import FilterVerdict
+from ingest.filters import CANCELLED_AT_SEAL
 from schemas.events import RunConfig
 from schemas.tables import TRAINING_BATCHES, content_sha256
-
-CANCELLED_AT_SEAL = "cancelled_at_seal"
 
 
 @dataclass(slots=True)
@@ -55,11 +56,8 @@ class StepWindow:
     offered: int = 0
     kept: int = 0
     surplus: int = 0
-    cancelled_groups: int = 0
-    cancelled_samples: int = 0
-    cancelled_lengths: list[int] = field(default_factory=list)
-    kept_lengths: list[int] = field(default_factory=list)
-    dropped_lengths: list[int] = field(default_factory=list)
+    decided: list[BiasGroup] = field(default_factory=list)
+    issued: int = 0  # group_started notices for the step
     first_event_at: float | None = None
     batch: dict[str, float] = field(default_factory=dict)
     sealed_at: float | None = None
@@ -92,6 +90,7 @@ class RunBatcher:
         self.closed: set[int] = set()
         self.kept: dict[int, list[DecidedGroup]] = {}  # open step -> kept groups
         self.windows: dict[int, StepWindow] = {}
+        self.opened: set[int] = set()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -108,6 +107,17 @@ class RunBatcher:
         return None
 
     # -- transitions ---------------------------------------------------------------------
+
+    def open(self, group_index: int, step: int, at: float) -> None:
+        """A group was issued for `step` (its group_started was archived)."""
+        if group_index in self.opened:
+            return
+        self.opened.add(group_index)
+        window = self.window(step)
+        if window is not None:
+            window.issued += 1
+            if window.first_event_at is None or at < window.first_event_at:
+                window.first_event_at = at
 
     def offer(self, group: DecidedGroup, now: float) -> Effects:
         """Apply one decision. A repeated decision for a decided group changes nothing."""
@@ -148,12 +158,12 @@ class RunBatcher:
             return  # decided after its step closed: in the tables, not in the metrics
         if window.first_event_at is None or header.first_event_at < window.first_event_at:
             window.first_event_at = header.first_event_at
-        lengths = fragments.column("response_length").to_pylist()
+        window.decided.append(
+            BiasGroup(decision, reason, fragments.column("response_length").to_pylist(),
+                      fragments.column("status").to_pylist(),
+                      cancelled_at_seal=reason == CANCELLED_AT_SEAL)
+        )
         if reason == CANCELLED_AT_SEAL:
-            window.cancelled_groups += 1
-            statuses = fragments.column("status").to_pylist()
-            window.cancelled_samples += sum(s == "aborted" for s in statuses)
-            window.cancelled_lengths.extend(lengths)
             return  # cancelled by the seal itself: never offered to the filter chain
         if not header.offered:
             window.verdicts.append(FilterVerdict(False, reason, True))
@@ -165,12 +175,10 @@ class RunBatcher:
         window.offered_rewards.append(rewards)
         if decision == "dropped":
             window.verdicts.append(FilterVerdict(False, reason, header.counted))
-            window.dropped_lengths.extend(lengths)
         elif decision == "surplus":
             window.surplus += 1
         else:
             window.kept += 1
-            window.kept_lengths.extend(lengths)
 
     def _seal(self, step: int, now: float) -> Effects:
         members = self.kept.pop(step)
@@ -221,10 +229,9 @@ def step_metrics(window: StepWindow, config: RunConfig) -> dict[str, float]:
     out["rollout/groups_kept"] = float(window.kept)
     out["rollout/groups_surplus"] = float(window.surplus)
     out["rollout/groups_dropped"] = float(dropped)
-    out["rollout/groups_cancelled"] = float(window.cancelled_groups)
-    out["rollout/prompts_issued"] = float(
-        window.offered + window.cancelled_groups + sum(1 for v in window.verdicts if v.reason == "group_timeout")
-    )
+    out["rollout/groups_cancelled"] = float(sum(g.cancelled_at_seal for g in window.decided))
+    out["rollout/prompts_issued"] = float(window.issued)
+    out.update(bias_metrics(window.decided, groups_issued=window.issued))
     if window.sealed_at is not None and window.first_event_at is not None:
         out["perf/rollout_time"] = max(0.0, window.sealed_at - window.first_event_at)
     return out

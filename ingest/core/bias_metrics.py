@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-CANCELLED_AT_SEAL = "cancelled_at_seal"
+from ingest.filters import CANCELLED_AT_SEAL
+
 # A group decided by timeout never finished either; it counts against completion.
 UNFINISHED_REASONS = frozenset({CANCELLED_AT_SEAL, "group_timeout"})
 

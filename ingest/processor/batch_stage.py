@@ -25,7 +25,7 @@ from ingest.core.batching import Effects, RunBatcher
 from ingest.core.decided import DecidedGroup
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.decisions import decision_header, decode_fragments
+from ingest.processor.decisions import decision_header, decode_fragments, opened_notice
 from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
 from schemas.control import StepSealed
 from schemas.tables import GROUPS, STEP_METRICS, STEPS
@@ -150,6 +150,12 @@ class BatchStage(ConsumerRebalanceListener):
         return batcher
 
     def _handle(self, record: Any, pending: _Pending) -> None:
+        notice = opened_notice(record)
+        if notice is not None:
+            batcher = self._batcher(notice["run_id"], record.partition)
+            if batcher is not None:
+                batcher.open(notice["group_index"], notice["step"], notice["at"])
+            return
         header = decision_header(record)
         if header is None:
             self.dead_letters.add(record.topic, record.partition, record.offset,
@@ -281,22 +287,12 @@ class BatchStage(ConsumerRebalanceListener):
             if (run_id, step) in self.closed_steps:
                 continue
             self.closed_steps.add((run_id, step))
-            metrics = {**metrics, **self._issued(run_id, step)}
             rows.extend({"run_id": run_id, "step": step, "key": k, "value": float(v)}
                         for k, v in sorted(metrics.items()))
         if rows:
             # Keyed by (run, step): a replayed closure is skipped above, so no offset marks
             # are needed (and a flush at shutdown has no offset of its own).
             self.lake.append("step_metrics", pa.Table.from_pylist(rows, schema=STEP_METRICS.schema))
-
-    def _issued(self, run_id: str, step: int) -> dict[str, float]:
-        """Prompts issued for a step: its `group_started` events in the archive."""
-        issued = self.lake.read(
-            "events", columns=["event_id"],
-            filter=(pc.field("run_id") == run_id) & (pc.field("type") == "group_started")
-            & (pc.field("step") == step),
-        ).num_rows
-        return {"rollout/prompts_issued": float(issued)} if issued else {}
 
     @property
     def idle(self) -> bool:

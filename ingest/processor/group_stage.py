@@ -25,7 +25,7 @@ from ingest.core.model import FilterVerdict
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.decisions import encode_decision
+from ingest.processor.decisions import encode_decision, encode_opened
 from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
 from schemas.errors import EventValidationError, RolloutlakeError
 from schemas.events import TRAJECTORY_EVENT_TYPES, GroupStarted, decode_event, parse_event
@@ -44,10 +44,18 @@ class _Pending:
     completed_at: tuple[int, int] | None = None  # (partition, offset) of the completing event
 
 
+@dataclass(frozen=True)
+class _Opened:
+    run_id: str
+    group_index: int
+    step: int
+    at: float
+
+
 @dataclass
 class _Batch:
     archive: list[dict[str, Any]] = field(default_factory=list)
-    decisions: list[DecidedGroup] = field(default_factory=list)
+    decisions: list[DecidedGroup | _Opened] = field(default_factory=list)  # in publish order
     last_offset: dict[int, int] = field(default_factory=dict)
 
 
@@ -135,10 +143,13 @@ class GroupStage(ConsumerRebalanceListener):
             if pending.completed_at is None and pending.builder.group.complete:
                 pending.completed_at = (partition, offset)
         batch = _Batch()
+        for key in rebuilt:
+            group = self.pending[key].builder.group
+            if group.started:  # the notice may not have gone out before the restart
+                batch.decisions.append(_Opened(key[0], key[1], group.step, group.first_event_at))
         for key in sorted(rebuilt, key=lambda k: self.pending[k].completed_at or (partition, 1 << 62)):
             self._try_decide(key, batch)
-        log.info("partition %d: rebuilt %d undecided groups, re-deciding %d",
-                 partition, len(rebuilt), len(batch.decisions))
+        log.info("partition %d: rebuilt %d undecided groups", partition, len(rebuilt))
         self._publish(batch.decisions)
         self.dead_letters.commit([])
 
@@ -208,6 +219,8 @@ class GroupStage(ConsumerRebalanceListener):
                 "step": event.step if isinstance(event, GroupStarted) else None,
             }
         )
+        if isinstance(event, GroupStarted):
+            batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, time.time()))
         if pending.builder.group.complete and pending.completed_at is None:
             pending.completed_at = (partition, offset)
             self._try_decide(key, batch)
@@ -296,10 +309,15 @@ class GroupStage(ConsumerRebalanceListener):
                 self.recorded[p] = o
         self._publish(batch.decisions)
 
-    def _publish(self, decisions: list[DecidedGroup]) -> None:
-        for decided in decisions:
-            headers, value = encode_decision(decided)
-            self.producer.send(self.topics.decisions, key=decided.header.run_id.encode(),
+    def _publish(self, decisions: list[DecidedGroup | _Opened]) -> None:
+        for item in decisions:
+            if isinstance(item, _Opened):
+                headers = encode_opened(item.run_id, item.group_index, item.step, item.at)
+                self.producer.send(self.topics.decisions, key=item.run_id.encode(), value=b"",
+                                   headers=headers)
+                continue
+            headers, value = encode_decision(item)
+            self.producer.send(self.topics.decisions, key=item.header.run_id.encode(),
                                value=value, headers=headers)
         if decisions:
             self.producer.flush()

@@ -1,0 +1,235 @@
+"""Pipeline throughput and latency, side by side with bare Kafka and JSONL, in one run.
+
+    .venv/bin/python bench/pipeline.py [--samples 3000] [--response-len 2048]
+
+One simulated stream (DAPO-like groups, log-normal responses of ~2k tokens with log-probs)
+goes through four paths on this machine, one after the other:
+  1. JSONL: `json.dumps` + write of every event (what users do today; no grouping,
+     no filters, no durability guarantees);
+  2. bare Kafka: kafka-python produce + consume of the same bytes (the ceiling);
+  3. rolloutlake: publish -> `rolloutlake process` (a separate process) -> sealed batches in
+     Delta, timed from the first publish to the last `steps` row;
+  4. latency: the same pipeline paced below capacity; p50/p99 from a group's last event to
+     its `groups` row, and from a step's last kept group to its `steps` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow.compute as pc
+from kafka import TopicPartition
+
+from ingest.broker import EmbeddedBroker, free_port
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.publisher import RolloutPublisher
+from ingest.simulate import SimulationConfig, open_loop_groups
+from schemas.events import event_group_key
+
+
+def stream(sim: SimulationConfig, samples: int) -> list[list[bytes]]:
+    """Encoded events per group, until `samples` samples."""
+    groups, count = [], 0
+    for group in open_loop_groups(sim):
+        groups.append([orjson.dumps(e) for e in group.events])
+        count += sim.n_samples
+        if count >= samples:
+            break
+    return groups
+
+
+def response_tokens(groups: list[list[bytes]]) -> tuple[int, int]:
+    tokens = samples = 0
+    for events in groups:
+        for raw in events:
+            body = orjson.loads(raw)
+            if body["type"] in ("sample_finished", "compaction_fragment"):
+                tokens += len(body["response_tokens"])
+                samples += body["type"] == "sample_finished"
+    return tokens, samples
+
+
+def bench_jsonl(groups: list[list[bytes]], folder: Path) -> float:
+    decoded = [[orjson.loads(raw) for raw in events] for events in groups]
+    start = time.perf_counter()
+    with open(folder / "rollouts.jsonl", "w") as out:
+        for events in decoded:
+            for body in events:
+                out.write(json.dumps(body) + "\n")
+        out.flush()
+    return time.perf_counter() - start
+
+
+def bench_bare_kafka(kafka: KafkaSettings, groups: list[list[bytes]]) -> float:
+    topic = kafka.topic_prefix + "bare"
+    admin = kafka.admin()
+    from kafka.admin import NewTopic
+
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    total = sum(len(e) for e in groups)
+    consumer = kafka.consumer(group_id=None)
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    producer = kafka.producer()
+    start = time.perf_counter()
+
+    def produce() -> None:
+        for events in groups:
+            for raw in events:
+                producer.send(topic, key=b"k", value=raw)
+        producer.flush()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    seen = 0
+    while seen < total:
+        for records in consumer.poll(timeout_ms=200).values():
+            seen += len(records)
+    elapsed = time.perf_counter() - start
+    thread.join()
+    producer.close()
+    consumer.close()
+    return elapsed
+
+
+def _spawn(kafka: KafkaSettings, lake: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
+         kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
+         "--event-partitions", "1", "--until-idle", "3"],
+        stderr=subprocess.DEVNULL,
+    )
+
+
+class Watcher(threading.Thread):
+    """Polls `groups` and `steps` and records when each row first became visible."""
+
+    def __init__(self, lake_root: str, run_id: str):
+        super().__init__(daemon=True)
+        self.lake, self.run_id = Lake(lake_root), run_id
+        self.group_seen: dict[int, float] = {}
+        self.step_seen: dict[int, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        versions: dict[str, int] = {}
+        while not self.stop.is_set():
+            for table, seen, column in (("groups", self.group_seen, "group_index"),
+                                        ("steps", self.step_seen, "step")):
+                if not self.lake.exists(table):
+                    continue
+                version = self.lake.version(table)
+                if versions.get(table) == version:
+                    continue
+                versions[table] = version
+                now = time.perf_counter()
+                keys = self.lake.read(table, columns=[column],
+                                      filter=pc.field("run_id") == self.run_id)
+                for key in keys.column(column).to_pylist():
+                    seen.setdefault(key, now)
+            time.sleep(0.01)
+
+
+def run_pipeline(kafka: KafkaSettings, sim: SimulationConfig, groups: list[list[bytes]],
+                 lake_root: str, pace_s: float, expect_steps: int) -> tuple[float, dict, Watcher]:
+    kafka.ensure_topics()
+    processor = _spawn(kafka, lake_root)
+    watcher = Watcher(lake_root, sim.run_id)
+    sent_at: dict[int, float] = {}
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(sim.run_id, sim.run_config())
+        pub.flush()
+        time.sleep(6.0)  # let the processor join its consumer groups before timing
+        watcher.start()
+        start = time.perf_counter()
+        for index, events in enumerate(groups):
+            key = event_group_key(sim.run_id, index)
+            for raw in events:
+                pub.send_raw(pub.topics.events, key, raw)
+            if pace_s:
+                pub.flush()
+                sent_at[index] = time.perf_counter()
+                time.sleep(pace_s)
+        pub.flush()
+    while len(watcher.step_seen) < expect_steps and processor.poll() is None:
+        time.sleep(0.01)
+    elapsed = max(watcher.step_seen.values(), default=time.perf_counter()) - start
+    watcher.stop.set()
+    processor.wait(timeout=120)
+    return elapsed, sent_at, watcher
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    p50, p99 = np.percentile(values, [50, 99])
+    return f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms (n={len(values)})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--response-len", type=float, default=2048.0)
+    parser.add_argument("--latency-steps", type=int, default=4)
+    args = parser.parse_args()
+    sim = SimulationConfig(run_id="bench", steps=10_000, rollout_batch_size=32, n_samples=8,
+                           response_len_mean=args.response_len, prompt_len=256, mode="open",
+                           duplicate_rate=0.0, seed=3)
+    groups = stream(sim, args.samples)
+    tokens, samples = response_tokens(groups)
+    size = sum(len(raw) for events in groups for raw in events)
+    print(f"stream: {len(groups)} groups, {samples} samples, {tokens / samples:.0f} response "
+          f"tokens per sample, {size / 2**20:.0f} MiB of JSON events")
+    folder = Path(tempfile.mkdtemp(prefix="rolloutlake-bench-"))
+    with EmbeddedBroker(free_port()) as broker:
+        def settings(prefix: str) -> KafkaSettings:
+            return KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=prefix,
+                                 event_partitions=1, decision_partitions=1)
+
+        jsonl_s = bench_jsonl(groups, folder)
+        bare_s = bench_bare_kafka(settings("bare."), groups)
+        pipe_s, _, watcher = run_pipeline(settings("pipe."), sim, groups, str(folder / "lake"),
+                                          pace_s=0.0, expect_steps=10_000)
+        sealed = Lake(str(folder / "lake")).read("steps", columns=["n_tokens"])
+        steps = sealed.num_rows
+        latency_groups = groups[: max(1, len(groups) * args.latency_steps // max(steps, 1))]
+        _, sent_at, lat = run_pipeline(settings("lat."), sim, latency_groups,
+                                       str(folder / "lake-latency"), pace_s=0.05,
+                                       expect_steps=args.latency_steps)
+    decided = [lat.group_seen[g] - t for g, t in sent_at.items() if g in lat.group_seen]
+    lake = Lake(str(folder / "lake-latency"))
+    batch = lake.read("groups", columns=["group_index", "batch_step"],
+                      filter=pc.field("decision") == "kept")
+    last_kept: dict[int, float] = {}
+    for g, s in zip(batch.column("group_index").to_pylist(), batch.column("batch_step").to_pylist(),
+                    strict=True):
+        if g in sent_at:
+            last_kept[s] = max(last_kept.get(s, 0.0), sent_at[g])
+    sealed_lat = [lat.step_seen[s] - t for s, t in last_kept.items() if s in lat.step_seen]
+
+    print(f"\n{'path':<34}{'seconds':>9}{'samples/s':>12}{'resp tokens/s':>16}{'vs bare Kafka':>15}")
+    for name, seconds in (("JSONL dump (json.dumps + write)", jsonl_s),
+                          ("bare kafka-python produce+consume", bare_s),
+                          ("rolloutlake publish -> sealed", pipe_s)):
+        print(f"{name:<34}{seconds:>9.2f}{samples / seconds:>12,.0f}{tokens / seconds:>16,.0f}"
+              f"{bare_s / seconds:>14.2f}x")
+    print(f"\nsealed steps: {steps} ({int(pc.sum(sealed.column('n_tokens')).as_py() or 0):,} "
+          "tokens in batches)")
+    print(f"latency, group's last event -> groups row in Delta: {percentiles(decided)}")
+    print(f"latency, step's last kept group -> steps row:       {percentiles(sealed_lat)}")
+
+
+if __name__ == "__main__":
+    main()
