@@ -49,11 +49,23 @@ def read_wandb_records(path: Path) -> list[wandb_internal_pb2.Record]:
     return records
 
 
-def logged_steps(wandb_dir: Path) -> list[dict]:
-    """Every history row in every offline run under `wandb_dir`, with its step."""
+def logged_steps(wandb_dir: Path, timeout: float = 20.0) -> list[dict]:
+    """Every history row in every offline run under `wandb_dir`, with its step.
+
+    W&B's service writes run files asynchronously, also after `finish()` returned: wait
+    until each file ends with its `exit` record.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        files = [read_wandb_records(p)
+                 for p in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+        if all(r and r[-1].WhichOneof("record_type") == "exit" for r in files):
+            break
+        assert time.monotonic() < deadline, "W&B did not finish writing its run files"
+        time.sleep(0.1)
     rows = []
-    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        for record in read_wandb_records(path):
+    for records in files:
+        for record in records:
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                          for i in record.history.item}
