@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pa_fs
 import torch
+from deltalake import DeltaTable
 
 from ingest.lake import Lake
 from schemas.errors import BatchVerificationError
@@ -48,14 +51,8 @@ class StepFollower:
         self.run_id = run_id
         self.poll_interval_s = poll_interval_s
 
-    def _steps(self, step: int | None = None) -> pa.Table:
-        where = pc.field("run_id") == self.run_id
-        if step is not None:
-            where &= pc.field("step") == step
-        return self.lake.read(STEPS.name, filter=where)
-
     def sealed(self, step: int) -> SealedStep | None:
-        rows = self._steps(step).to_pylist()
+        rows = read_run_step(self.lake, STEPS.name, self.run_id, step).to_pylist()
         if len(rows) > 1:
             raise BatchVerificationError(
                 f"run {self.run_id} step {step}: the steps table holds {len(rows)} rows, expected 1"
@@ -71,7 +68,8 @@ class StepFollower:
         waiting_logged = False
         while True:
             if step is None:
-                steps = self._steps().column("step")
+                where = pc.field("run_id") == self.run_id
+                steps = self.lake.read(STEPS.name, filter=where, columns=["step"]).column("step")
                 found = self.sealed(pc.min(steps).as_py()) if len(steps) else None
             else:
                 found = self.sealed(step)
@@ -85,46 +83,76 @@ class StepFollower:
             time.sleep(self.poll_interval_s)
 
 
+def read_run_step(
+    lake: Lake, table: str, run_id: str, step: int, version: int | None = None
+) -> pa.Table:
+    """`Lake.read` of one (run_id, step), with the table's files pruned by their statistics.
+
+    `Lake.read` hands every file of the version to pyarrow, which opens each one to
+    evaluate the filter, so a read costs O(steps in the table). delta-rs can drop files
+    by the min/max statistics in the log before any is opened, which keeps reading a step
+    O(1) however long the run. (run_id is restricted to [A-Za-z0-9._-], so it cannot
+    break out of the SQL literal.)
+    """
+    if not lake.exists(table):
+        return lake.spec(table).empty()
+    if version is None:
+        delta = lake.refresh(table)
+    else:
+        delta = DeltaTable(
+            lake.uri(table), version=version, storage_options=lake.storage_options or None
+        )
+    # On a local lake pyarrow reads the files itself; delta-rs's default filesystem
+    # routes every read through a Python handler.
+    local = (
+        pa_fs.SubTreeFileSystem(lake.uri(table).removeprefix("file://"), pa_fs.LocalFileSystem())
+        if lake.is_local
+        else None
+    )
+    dataset = delta.to_pyarrow_dataset(
+        file_pruning_predicate=f"run_id = '{run_id}' AND step = {int(step)}", filesystem=local
+    )
+    rows = dataset.to_table()
+    # The surviving files usually hold only this step; filtering anyway would copy every
+    # list column (pyarrow does not infer `step == s` from the files' min/max bounds).
+    match = pc.and_(pc.equal(rows.column("run_id"), run_id), pc.equal(rows.column("step"), step))
+    return rows if pc.all(match).as_py() else rows.filter(match)
+
+
 def read_sealed_rows(lake: Lake, sealed: SealedStep) -> pa.Table:
-    """The step's `training_batches` rows at its recorded version, verified, in position order."""
-    rows = lake.read(
-        TRAINING_BATCHES.name,
-        filter=(pc.field("run_id") == sealed.run_id) & (pc.field("step") == sealed.step),
-        version=sealed.batch_version,
+    """The step's `training_batches` rows at its recorded version, in position order, with
+    row count and positions checked; `load_step` adds the content hash."""
+    rows = read_run_step(
+        lake, TRAINING_BATCHES.name, sealed.run_id, sealed.step, version=sealed.batch_version
     )
     positions = rows.column("position").to_numpy()
     # Files come back in commit order, usually already sorted; sorting copies every list
     # column, so it only happens when needed.
     if np.any(positions[1:] <= positions[:-1]):
         rows = rows.sort_by("position")
-    verify_rows(sealed, rows)
+        positions = rows.column("position").to_numpy()
+    if rows.num_rows != sealed.n_samples:
+        raise BatchVerificationError(
+            f"{_where(sealed)}: read {rows.num_rows} rows, the steps table recorded "
+            f"{sealed.n_samples}"
+        )
+    if not np.array_equal(positions, np.arange(rows.num_rows)):
+        raise BatchVerificationError(f"{_where(sealed)}: positions are not 0..{rows.num_rows - 1}")
     return rows
 
 
-def verify_rows(sealed: SealedStep, rows: pa.Table) -> None:
-    where = (
+def _where(sealed: SealedStep) -> str:
+    return (
         f"run {sealed.run_id} step {sealed.step} (training_batches version {sealed.batch_version})"
     )
-    if rows.num_rows != sealed.n_samples:
-        raise BatchVerificationError(
-            f"{where}: read {rows.num_rows} rows, the steps table recorded {sealed.n_samples}"
-        )
-    positions = rows.column("position").to_numpy()
-    if not np.array_equal(positions, np.arange(rows.num_rows)):
-        raise BatchVerificationError(f"{where}: positions are not 0..{rows.num_rows - 1}")
-    digest = content_sha256(rows)
-    if digest != sealed.content_sha256:
-        raise BatchVerificationError(
-            f"{where}: content_sha256 of the rows is {digest}, the steps table recorded "
-            f"{sealed.content_sha256}; the batch was changed after sealing"
-        )
 
 
 @dataclass(frozen=True)
 class StepBatch:
     """One step as right-padded tensors.
 
-    `tokens`/`attention_mask` are [B, L] (prompt then response). Per-token training
+    `tokens` is [B, L] (prompt then response, int32 to halve the copy; the engine widens
+    each micro-batch to int64). Per-token training
     tensors are [B, L-1], aligned with the logits that predict `tokens[:, 1:]`, so index t
     scores token t+1. `response_mask` marks trainable response positions, `loss_mask` the
     ones the loss counts. `rollout_index` numbers the step's rollouts (group_index,
@@ -133,8 +161,7 @@ class StepBatch:
     """
 
     step: int
-    tokens: torch.Tensor  # [B, L] int64
-    attention_mask: torch.Tensor  # [B, L] int64
+    tokens: torch.Tensor  # [B, L] int32
     response_mask: torch.Tensor  # [B, L-1] bool
     loss_mask: torch.Tensor  # [B, L-1] float32
     advantages: torch.Tensor  # [B, L-1] float32, the row's advantage on every position
@@ -150,13 +177,18 @@ class StepBatch:
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, L] int64: 1 on the prompt and response, 0 on the right padding."""
+        positions = torch.arange(self.tokens.shape[1])
+        return (positions[None, :] < self.total_lengths[:, None]).long()
+
     def rows(self, part: slice) -> StepBatch:
         """Rows `part`, with the padding trimmed to their longest sequence."""
         length = int(self.total_lengths[part].max())
         return StepBatch(
             step=self.step,
             tokens=self.tokens[part, :length],
-            attention_mask=self.attention_mask[part, :length],
             response_mask=self.response_mask[part, : length - 1],
             loss_mask=self.loss_mask[part, : length - 1],
             advantages=self.advantages[part, : length - 1],
@@ -197,66 +229,85 @@ def tensorize(rows: pa.Table, step: int) -> StepBatch:
 
     total_len = prompt_len + resp_len
     width = int(total_len.max())
-    row = np.arange(n, dtype=np.int64)
-    prompt_start = np.cumsum(prompt_len) - prompt_len
-    resp_start = np.cumsum(resp_len) - resp_len
+    shape = (n, width - 1)
 
-    # Flat indices into the [n, width] token matrix: value k of row i lands at
-    # i*width + (k - start_i) (+ prompt_len_i for response tokens).
-    tokens = np.zeros(n * width, dtype=np.int64)
-    tokens[np.arange(prompt_vals.size) + np.repeat(row * width - prompt_start, prompt_len)] = (
-        prompt_vals
+    # Row i's response token j sits at position prompt_len_i + j and is scored by the
+    # logits one position earlier, so its values fill columns [prompt_len_i - 1,
+    # prompt_len_i - 1 + resp_len_i) of the [n, width-1] grid. A response token at position
+    # 0 (empty prompt) has no logits scoring it and is not trained. Rows are contiguous
+    # runs in both the grid and the flattened Arrow values, so boolean-mask assignment
+    # places every value in one sequential pass (several times faster than scattering
+    # with an index array).
+    columns = np.arange(width - 1)[None, :]
+    response_mask = (columns >= np.maximum(prompt_len - 1, 0)[:, None]) & (
+        columns < (prompt_len - 1 + resp_len)[:, None]
     )
-    resp_flat = np.arange(resp_vals.size) + np.repeat(
-        row * width + prompt_len - resp_start, resp_len
-    )
-    tokens[resp_flat] = resp_vals
+    empty_prompt = np.flatnonzero((prompt_len == 0) & (resp_len > 0))
+    untrained = (np.cumsum(resp_len) - resp_len)[empty_prompt]  # their first response value
+    keep: slice | np.ndarray = slice(None)  # a view, not a copy, in the usual case
+    if empty_prompt.size:
+        keep = np.ones(resp_vals.size, dtype=bool)
+        keep[untrained] = False
 
-    # Response token at absolute position p is scored by the logits at p-1, i.e. index
-    # i*(width-1) + p - 1 of the [n, width-1] target grid. A response token at position 0
-    # (empty prompt) has no context and is not trained.
-    resp_row = np.repeat(row, resp_len)
-    target = resp_flat - resp_row - 1
-    trainable = resp_flat - resp_row * width > 0
-    target_t = target[trainable]
-    grid = n * (width - 1)
+    tokens = np.zeros((n, width), dtype=np.int32)
+    tokens[np.arange(width)[None, :] < prompt_len[:, None]] = prompt_vals
+    tokens[:, 1:][response_mask] = resp_vals[keep]
+    tokens[empty_prompt, 0] = resp_vals[untrained]
+    loss_mask = np.zeros(shape, dtype=np.float32)
+    loss_mask[response_mask] = mask_vals[keep]
+    # Null lists contribute no values: spread lp_vals over the rows that have them.
+    if has_lp.all():
+        lp_full = lp_vals
+    else:
+        lp_full = np.zeros(resp_vals.size, dtype=np.float32)
+        lp_full[np.repeat(has_lp, resp_len)] = lp_vals
+    old_log_probs = np.zeros(shape, dtype=np.float32)
+    old_log_probs[response_mask] = lp_full[keep]
 
-    response_mask = np.zeros(grid, dtype=bool)
-    response_mask[target_t] = True
-    loss_mask = np.zeros(grid, dtype=np.float32)
-    loss_mask[target_t] = mask_vals[trainable]
-    old_log_probs = np.zeros(grid, dtype=np.float32)
-    # Null lists contribute no values, so lp_vals lines up with the rows that have them.
-    in_lp_row = np.repeat(has_lp, resp_len)
-    old_log_probs[target[in_lp_row & trainable]] = lp_vals[trainable[in_lp_row]]
-
-    row_mask_sums = np.bincount(resp_row[trainable], weights=loss_mask[target_t], minlength=n)
+    row_mask_sums = loss_mask.sum(1, dtype=np.float64)
     keys = np.stack(
         [rows.column("group_index").to_numpy(), rows.column("rollout_id").to_numpy()], axis=1
     )
     uniq, rollout_index = np.unique(keys, axis=0, return_inverse=True)
     rollout_index = rollout_index.reshape(-1)
     rollout_sums = np.bincount(rollout_index, weights=row_mask_sums)[rollout_index]
+    response_lengths = resp_len.copy()
+    response_lengths[empty_prompt] -= 1
 
     advantages = torch.from_numpy(rows.column("advantage").to_numpy().astype(np.float32))
-    shape = (n, width - 1)
     return StepBatch(
         step=step,
-        tokens=torch.from_numpy(tokens.reshape(n, width)),
-        attention_mask=torch.from_numpy(
-            (np.arange(width)[None, :] < total_len[:, None]).astype(np.int64)
-        ),
-        response_mask=torch.from_numpy(response_mask.reshape(shape)),
-        loss_mask=torch.from_numpy(loss_mask.reshape(shape)),
+        tokens=torch.from_numpy(tokens),
+        response_mask=torch.from_numpy(response_mask),
+        loss_mask=torch.from_numpy(loss_mask),
         advantages=advantages[:, None].expand(shape),
-        old_log_probs=torch.from_numpy(old_log_probs.reshape(shape)),
+        old_log_probs=torch.from_numpy(old_log_probs),
         has_old_log_probs=torch.from_numpy(has_lp.copy()),
         total_lengths=torch.from_numpy(total_len),
-        response_lengths=torch.from_numpy(np.bincount(resp_row[trainable], minlength=n)),
+        response_lengths=torch.from_numpy(response_lengths),
         rollout_index=torch.from_numpy(rollout_index.astype(np.int64)),
         rollout_mask_sums=torch.from_numpy(rollout_sums.astype(np.float32)),
         n_rollouts=len(uniq),
     )
+
+
+def load_step(lake: Lake, sealed: SealedStep) -> StepBatch:
+    """Read, verify and tensorise a sealed step; the tensors are returned only if the rows
+    hash to the recorded `content_sha256`.
+
+    Hashing runs in a thread while the rows are tensorised (hashlib and the numpy
+    kernels release the GIL), which hides most of its cost.
+    """
+    rows = read_sealed_rows(lake, sealed)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest = pool.submit(content_sha256, rows)
+        batch = tensorize(rows, sealed.step)
+        if digest.result() != sealed.content_sha256:
+            raise BatchVerificationError(
+                f"{_where(sealed)}: content_sha256 of the rows is {digest.result()}, the steps "
+                f"table recorded {sealed.content_sha256}; the batch was changed after sealing"
+            )
+    return batch
 
 
 def plan_micro_batches(

@@ -28,9 +28,8 @@ from schemas.errors import ConfigError
 from trainer.batches import (
     StepBatch,
     StepFollower,
+    load_step,
     plan_micro_batches,
-    read_sealed_rows,
-    tensorize,
 )
 from trainer.config import TrainerConfig
 from trainer.losses import LossSettings, micro_batch_loss, token_log_probs
@@ -189,7 +188,7 @@ class Trainer:
                 log.info("no sealed step %s after %ss; stopping", step, self.config.until_idle_s)
                 break
             started = time.monotonic()
-            batch = tensorize(read_sealed_rows(self.lake, sealed), sealed.step)
+            batch = load_step(self.lake, sealed)
             read_seconds = time.monotonic() - started
             log.info(
                 "step %d: training %d rows, %d rollouts (batch version %d, read in %.2fs)",
@@ -273,7 +272,7 @@ class Trainer:
         self.engine.train()
         for index, part in enumerate(parts):
             micro = batch.rows(part)
-            tokens = micro.tokens.to(device)
+            tokens = micro.tokens.to(device, torch.long)
             attention_mask = micro.attention_mask.to(device)
             self.engine.set_gradient_accumulation_boundary(index == len(parts) - 1)
             logits = self.engine(

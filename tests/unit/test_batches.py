@@ -13,9 +13,9 @@ from schemas.tables import TRAINING_BATCHES, content_sha256
 from tests.integration.trainer_fixtures import batch_rows, random_step, seal_step
 from trainer.batches import (
     StepFollower,
+    load_step,
     plan_micro_batches,
     read_sealed_rows,
-    tensorize,
 )
 
 HAND_ROWS = [
@@ -70,7 +70,7 @@ def _sealed(lake, step):
 
 def test_tensorize_pads_and_aligns_targets(lake):
     seal_step(lake, batch_rows("r1", 1, HAND_ROWS))
-    batch = tensorize(read_sealed_rows(lake, _sealed(lake, 1)), 1)
+    batch = load_step(lake, _sealed(lake, 1))
     assert batch.tokens.tolist() == [
         [1, 2, 3, 4, 5],
         [6, 7, 0, 0, 0],
@@ -102,7 +102,7 @@ def test_tensorize_pads_and_aligns_targets(lake):
 
 def test_rows_slice_trims_padding(lake):
     seal_step(lake, batch_rows("r1", 1, HAND_ROWS))
-    batch = tensorize(read_sealed_rows(lake, _sealed(lake, 1)), 1)
+    batch = load_step(lake, _sealed(lake, 1))
     micro = batch.rows(slice(1, 2))
     assert micro.tokens.tolist() == [[6, 7]]
     assert micro.loss_mask.tolist() == [[1.0]]
@@ -131,7 +131,7 @@ def test_hash_mismatch_stops_with_a_clear_error(lake):
     rows = random_step("r1", 2)
     seal_step(lake, rows, sha256="0" * 64)
     with pytest.raises(BatchVerificationError) as info:
-        read_sealed_rows(lake, _sealed(lake, 2))
+        load_step(lake, _sealed(lake, 2))
     message = str(info.value)
     assert "run r1 step 2" in message
     assert "content_sha256" in message and "0" * 64 in message
@@ -143,7 +143,7 @@ def test_changed_value_fails_verification(lake):
     tampered = rows.set_column(column, "advantage", pc.add(rows.column("advantage"), 1.0))
     seal_step(lake, tampered, sha256=content_sha256(rows))
     with pytest.raises(BatchVerificationError, match="changed after sealing"):
-        read_sealed_rows(lake, _sealed(lake, 4))
+        load_step(lake, _sealed(lake, 4))
 
 
 def test_follower_waits_and_finds_the_first_step(lake):
