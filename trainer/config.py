@@ -152,7 +152,8 @@ class TrainerConfig(BaseModel):
             if isinstance(ctx_error, FieldValueError):
                 raise ConfigError(f"{flag(ctx_error.field)}: {ctx_error}") from None
             field = str(err["loc"][0]) if err["loc"] else "config"
-            raise ConfigError(f"{flag(field)}: {err['msg']}") from None
+            message = err["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{flag(field)}: {message}") from None
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed JSON, checked for the few keys the trainer relies on."""

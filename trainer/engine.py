@@ -96,6 +96,12 @@ class Trainer:
     def __init__(self, config: TrainerConfig):
         self.config = config
         ds_config = config.deepspeed_config()
+        # Loaded before DeepSpeed starts, so a bad path fails in a second, not after init.
+        self.pg_reducer = (
+            load_pg_loss_reducer(config.custom_pg_loss_reducer_function_path)
+            if config.custom_pg_loss_reducer_function_path
+            else None
+        )
         init_distributed(config.dist_backend)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -127,11 +133,6 @@ class Trainer:
         )
         self.vocab_size = model.config.vocab_size
         self.ref_model = self._reference_model() if config.use_kl_loss else None
-        self.pg_reducer = (
-            load_pg_loss_reducer(config.custom_pg_loss_reducer_function_path)
-            if config.custom_pg_loss_reducer_function_path
-            else None
-        )
         self.settings = LossSettings(
             eps_clip=config.eps_clip,
             eps_clip_high=config.eps_clip_high,

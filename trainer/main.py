@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except RolloutlakeError as exc:
         print(f"rolloutlake trainer: {exc}", file=sys.stderr)
-        return 1
+        return 2  # as `rolloutlake` does for user errors
 
 
 if __name__ == "__main__":
