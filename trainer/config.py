@@ -91,8 +91,8 @@ class TrainerConfig(BaseModel):
     """Save HF-format weights and publish `weights_updated` every k steps; 0 never."""
     bootstrap_servers: str | None = None
     """Kafka bootstrap servers for `weights_updated`; unset publishes nothing."""
-    control_topic: str = "rollout.control"
-    """Topic of control messages (CONTRACT section 1)."""
+    topic_prefix: str = ""
+    """Prefix of the Kafka topic names, as for the other services (`<prefix>rollout.control`)."""
     wandb_project: str = "rolloutlake"
     """W&B project."""
     wandb_mode: Literal["offline", "online", "disabled"] = Field(

@@ -17,9 +17,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake, TxnMark
 from schemas.control import WeightsUpdated
-from schemas.errors import BrokerUnavailableError
 from schemas.tables import TRAINER_STEPS
 from trainer.config import TrainerConfig
 
@@ -114,36 +114,24 @@ class StepSink:
         return final
 
     def publish_weights(self, step: int, path: Path, version: int) -> None:
-        """Send `weights_updated` keyed by run_id, when Kafka is configured."""
+        """Send `weights_updated` keyed by run_id, when Kafka is configured (acks=all,
+        idempotent; an unreachable broker raises `BrokerUnavailableError`)."""
         if self.config.bootstrap_servers is None:
             return
         message = WeightsUpdated(
             run_id=self.config.run_id, step=step, path=str(path.resolve()), version=version
         )
-        producer = self._kafka()
-        producer.send(
-            self.config.control_topic,
+        kafka = KafkaSettings(
+            bootstrap_servers=self.config.bootstrap_servers, topic_prefix=self.config.topic_prefix
+        )
+        if self._producer is None:
+            self._producer = kafka.producer()
+        self._producer.send(
+            kafka.topics.control,
             key=self.config.run_id.encode(),
             value=message.model_dump_json().encode(),
         ).get(timeout=30)
         log.info("published weights_updated step=%d version=%d path=%s", step, version, path)
-
-    def _kafka(self) -> Any:
-        if self._producer is None:
-            from kafka import KafkaProducer
-            from kafka.errors import NoBrokersAvailable
-
-            try:
-                self._producer = KafkaProducer(
-                    bootstrap_servers=self.config.bootstrap_servers.split(","),
-                    acks="all",
-                    enable_idempotence=True,
-                )
-            except NoBrokersAvailable:
-                raise BrokerUnavailableError(
-                    f"--bootstrap-servers: no Kafka broker at {self.config.bootstrap_servers}"
-                ) from None
-        return self._producer
 
     def close(self) -> None:
         if self._producer is not None:
