@@ -25,6 +25,7 @@ demo: install
 	$(VENV)/bin/rolloutlake demo
 
 test: install
+	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m pytest -q
 

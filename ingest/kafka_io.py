@@ -57,6 +57,8 @@ class KafkaSettings(BaseModel):
     compression: str | None = "lz4"
     """Producer compression codec (`lz4`, `gzip`, or None)."""
     request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
+    bootstrap_timeout_ms: Annotated[int, Field(ge=100)] = 5000
+    """How long a client waits for the first broker answer before giving up."""
 
     @property
     def topics(self) -> Topics:
@@ -97,6 +99,7 @@ class KafkaSettings(BaseModel):
         return self._connect(KafkaAdminClient, options)
 
     def _connect(self, client: type, options: dict[str, Any]) -> Any:
+        options.setdefault("bootstrap_timeout_ms", self.bootstrap_timeout_ms)
         try:
             return client(**options)
         except KafkaError as err:

@@ -73,6 +73,7 @@ class GroupStage(ConsumerRebalanceListener):
         self.decided: dict[GroupKey, set[str]] = {}  # decided group -> its event ids
         self.dead: set[GroupKey] = set()  # timed out without a group_started
         self.recorded: dict[int, int | None] = {}  # partition -> archive txn version
+        self._runs_recorded: dict[str, int | None] = {}  # runs app id -> archive txn version
         self.consumer = config.kafka.consumer(
             group_id=f"{config.consumer_group}-groups",
             session_timeout_ms=config.session_timeout_ms,
@@ -295,7 +296,31 @@ class GroupStage(ConsumerRebalanceListener):
 
     # -- commit and publish ----------------------------------------------------------------
 
+    def _archive_runs(self) -> None:
+        """Archive run_started events too, so replay and audit know each run's config."""
+        rows, marks = [], {}
+        for record, event in self.runs.take_records():
+            app = app_id("events", record.topic, record.partition)
+            if app not in self._runs_recorded:
+                self._runs_recorded[app] = self.lake.txn_version("events", app)
+            recorded = self._runs_recorded[app]
+            if recorded is not None and record.offset <= recorded:
+                continue
+            rows.append(
+                {"run_id": event.run_id, "event_id": event.event_id, "type": event.type,
+                 "group_index": None, "rollout_id": None, "topic": record.topic,
+                 "partition": record.partition, "offset": record.offset,
+                 "ingested_at": utc_micros(time.time()), "payload": record.value.decode(),
+                 "step": None}
+            )
+            marks[app] = record.offset
+        if rows:
+            self.lake.append("events", pa.Table.from_pylist(rows, schema=EVENTS.schema),
+                             [TxnMark(app, offset) for app, offset in marks.items()])
+            self._runs_recorded.update(marks)
+
     def _commit(self, batch: _Batch) -> None:
+        self._archive_runs()
         topic = self.topics.events
         marks = [TxnMark(app_id("dead_letters", topic, p), o) for p, o in batch.last_offset.items()]
         self.dead_letters.commit(marks)

@@ -41,6 +41,8 @@ class RunRegistry:
         self.topic = kafka.topics.runs
         self.configs: dict[str, RunConfig] = {}
         self.datasets: dict[str, str | None] = {}
+        # run_started records read since the last `take_records`, for the events archive
+        self.records: list[tuple[Any, RunStarted]] = []
         self._dead_letters = dead_letters
         self._consumer = kafka.consumer(group_id=None)
         partitions = self._consumer.partitions_for_topic(self.topic) or {0}
@@ -82,6 +84,11 @@ class RunRegistry:
         assert isinstance(event, RunStarted)
         self.configs[event.run_id] = event.config
         self.datasets[event.run_id] = event.dataset
+        self.records.append((record, event))
+
+    def take_records(self) -> list[tuple[Any, RunStarted]]:
+        records, self.records = self.records, []
+        return records
 
     def get(self, run_id: str) -> RunConfig | None:
         return self.configs.get(run_id)
