@@ -12,21 +12,21 @@ them too.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import TopicPartition
 
 from ingest.core.batching import Effects, RunBatcher
 from ingest.core.decided import DecidedGroup
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import decision_header, decode_fragments, opened_notice
-from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
+from ingest.processor.io import app_id, utc_micros
+from ingest.processor.stage import Stage
 from schemas.control import StepSealed
 from schemas.tables import GROUPS, STEP_METRICS, STEPS
 
@@ -54,45 +54,23 @@ class _Pending:
         self.sources[table].extend([(partition, offset)] * rows.num_rows)
 
 
-class BatchStage(ConsumerRebalanceListener):
+class BatchStage(Stage):
     """Consumer-group member on `rollout.decisions` (keyed by run: a run has one owner)."""
 
     def __init__(self, config: ProcessorConfig, lake: Lake):
-        self.config = config
-        self.lake = lake
-        self.topics = config.kafka.topics
-        self.producer = config.kafka.producer()
-        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        super().__init__(config, lake, topic=config.kafka.topics.decisions, role="batches")
         self.batchers: dict[str, RunBatcher] = {}
         self.run_partition: dict[str, int] = {}
         self.recorded: dict[tuple[str, int], int | None] = {}
         self.closed_steps: set[tuple[str, int]] = set()
-        self.consumer = config.kafka.consumer(
-            group_id=f"{config.consumer_group}-batches",
-            session_timeout_ms=config.session_timeout_ms,
-            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
-            max_poll_records=config.max_poll_records,
-        )
-        self.consumer.subscribe([self.topics.decisions], listener=self)
-        self.last_activity = time.monotonic()
-        self.joined = False  # idle only counts once the consumer group assigned partitions
-        self.newly_assigned: set[TopicPartition] = set()
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
 
     # -- partition ownership ---------------------------------------------------------------
 
-    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        self.newly_assigned -= set(revoked)
-        lost = {tp.partition for tp in revoked}
-        for run_id in [r for r, p in self.run_partition.items() if p in lost]:
+    def _release(self, partitions: set[int]) -> None:
+        for run_id in [r for r, p in self.run_partition.items() if p in partitions]:
             self.batchers.pop(run_id, None)
             self.run_partition.pop(run_id, None)
-
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        # kafka-python calls this on its network thread, where blocking calls are not
-        # allowed: take the partitions over in `poll_once` instead.
-        self.newly_assigned |= set(assigned)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -110,19 +88,10 @@ class BatchStage(ConsumerRebalanceListener):
             # they already hold.
             self.consumer.seek(tp, 0)
             self.replaying[tp.partition] = end.get(tp, 0)
-        self.joined = True
-        self.last_activity = time.monotonic()
 
     # -- the loop --------------------------------------------------------------------------
 
-    def poll_once(self) -> int:
-        self.runs.refresh()
-        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
-        if self.newly_assigned:
-            assigned, self.newly_assigned = self.newly_assigned, set()
-            self._take_over(assigned)
-            # Records fetched before the seek come again from the new position.
-            polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
         pending = _Pending()
         count = 0
         for tp, records in polled.items():
@@ -131,8 +100,6 @@ class BatchStage(ConsumerRebalanceListener):
                 pending.last_offset[tp.partition] = record.offset
             count += len(records)
         self._commit(pending)
-        if count:
-            self.last_activity = time.monotonic()
         return count
 
     def _batcher(self, run_id: str, partition: int) -> RunBatcher | None:
@@ -296,11 +263,4 @@ class BatchStage(ConsumerRebalanceListener):
 
     @property
     def idle(self) -> bool:
-        return self.joined and not self.replaying and not self.dead_letters.rows
-
-    def close(self) -> None:
-        self.producer.flush()
-        self.consumer.close()
-        self.runs.close()
-        self.producer.close()
-
+        return super().idle and not self.replaying

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import TopicPartition
 
 from ingest.core.assembly import GroupBuilder
 from ingest.core.decided import DecidedGroup, fragments_table, header_for
@@ -26,7 +26,8 @@ from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened
-from ingest.processor.io import DeadLetters, RunRegistry, app_id, utc_micros
+from ingest.processor.io import app_id, utc_micros
+from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError, RolloutlakeError
 from schemas.events import TRAJECTORY_EVENT_TYPES, GroupStarted, decode_event, parse_event
 from schemas.tables import EVENTS
@@ -59,46 +60,24 @@ class _Batch:
     last_offset: dict[int, int] = field(default_factory=dict)
 
 
-class GroupStage(ConsumerRebalanceListener):
+class GroupStage(Stage):
     """Consumer-group member on `rollout.events`; owns the groups of its partitions."""
 
     def __init__(self, config: ProcessorConfig, lake: Lake):
-        self.config = config
-        self.lake = lake
-        self.topics = config.kafka.topics
-        self.producer = config.kafka.producer()
-        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        super().__init__(config, lake, topic=config.kafka.topics.events, role="groups")
         self.pending: dict[GroupKey, _Pending] = {}
         self.decided: dict[GroupKey, set[str]] = {}  # decided group -> its event ids
         self.dead: set[GroupKey] = set()  # timed out without a group_started
         self.recorded: dict[int, int | None] = {}  # partition -> archive txn version
         self._runs_recorded: dict[str, int | None] = {}  # runs app id -> archive txn version
-        self.consumer = config.kafka.consumer(
-            group_id=f"{config.consumer_group}-groups",
-            session_timeout_ms=config.session_timeout_ms,
-            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
-            max_poll_records=config.max_poll_records,
-        )
-        self.consumer.subscribe([self.topics.events], listener=self)
-        self.last_activity = time.monotonic()
-        self.joined = False  # idle only counts once the consumer group assigned partitions
-        self.newly_assigned: set[TopicPartition] = set()
 
     # -- partition ownership ---------------------------------------------------------------
 
-    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        self.newly_assigned -= set(revoked)
-        lost = {tp.partition for tp in revoked}
-        for key in [k for k, p in self.pending.items() if p.partition in lost]:
+    def _release(self, partitions: set[int]) -> None:
+        for key in [k for k, p in self.pending.items() if p.partition in partitions]:
             del self.pending[key]
-        for partition in lost:
+        for partition in partitions:
             self.recorded.pop(partition, None)
-
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        # kafka-python calls this on its network thread, where blocking calls are not
-        # allowed: take the partitions over in `poll_once` instead.
-        self.newly_assigned |= set(assigned)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -115,8 +94,6 @@ class GroupStage(ConsumerRebalanceListener):
             self.recorded[tp.partition] = recorded
             self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
             self._rebuild(tp.partition)
-        self.joined = True
-        self.last_activity = time.monotonic()
 
     def _rebuild(self, partition: int) -> None:
         """Re-assemble the partition's undecided groups from the archive, in offset order."""
@@ -156,14 +133,7 @@ class GroupStage(ConsumerRebalanceListener):
 
     # -- the loop --------------------------------------------------------------------------
 
-    def poll_once(self) -> int:
-        self.runs.refresh()
-        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
-        if self.newly_assigned:
-            assigned, self.newly_assigned = self.newly_assigned, set()
-            self._take_over(assigned)
-            # Records fetched before the seek come again from the new position.
-            polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
         batch = _Batch()
         count = 0
         for tp, records in polled.items():
@@ -174,8 +144,6 @@ class GroupStage(ConsumerRebalanceListener):
         self._decide_waiting(batch)
         self._expire(time.time(), batch)
         self._commit(batch)
-        if count:
-            self.last_activity = time.monotonic()
         return count
 
     def _handle(self, record: Any, batch: _Batch) -> None:
@@ -346,13 +314,3 @@ class GroupStage(ConsumerRebalanceListener):
                                value=value, headers=headers)
         if decisions:
             self.producer.flush()
-
-    @property
-    def idle(self) -> bool:
-        return self.joined and not self.dead_letters.rows
-
-    def close(self) -> None:
-        self.producer.flush()
-        self.consumer.close()
-        self.runs.close()
-        self.producer.close()

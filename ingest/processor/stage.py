@@ -1,0 +1,81 @@
+"""What both processor stages share: a consumer-group member with its producer and runs.
+
+kafka-python calls rebalance listeners on its network thread, where blocking calls are not
+allowed, so a stage only notes newly assigned partitions there and takes them over (reads
+Delta, seeks) at the top of its next `poll_once`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, TopicPartition
+
+from ingest.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.io import DeadLetters, RunRegistry
+
+
+class Stage(ConsumerRebalanceListener):
+    """Subclasses implement `_take_over`, `_release` and `_process`."""
+
+    def __init__(self, config: ProcessorConfig, lake: Lake, *, topic: str, role: str):
+        self.config = config
+        self.lake = lake
+        self.topics = config.kafka.topics
+        self.producer = config.kafka.producer()
+        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
+        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        self.consumer = config.kafka.consumer(
+            group_id=f"{config.consumer_group}-{role}",
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
+            max_poll_records=config.max_poll_records,
+        )
+        self.consumer.subscribe([topic], listener=self)
+        self.last_activity = time.monotonic()
+        self.joined = False  # idle only counts once the consumer group assigned partitions
+        self.newly_assigned: set[TopicPartition] = set()
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.newly_assigned |= set(assigned)
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self.newly_assigned -= set(revoked)
+        self._release({tp.partition for tp in revoked})
+
+    def poll_once(self) -> int:
+        """One poll: take over new partitions, process what arrived, commit. Returns count."""
+        self.runs.refresh()
+        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        if self.newly_assigned:
+            assigned, self.newly_assigned = self.newly_assigned, set()
+            self._take_over(assigned)
+            self.joined = True
+            self.last_activity = time.monotonic()
+            # Records fetched before the seek come again from the new position.
+            polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+        count = self._process(polled)
+        if count:
+            self.last_activity = time.monotonic()
+        return count
+
+    @property
+    def idle(self) -> bool:
+        return self.joined and not self.dead_letters.rows
+
+    def close(self) -> None:
+        self.producer.flush()
+        self.consumer.close()
+        self.runs.close()
+        self.producer.close()
+
+    def _take_over(self, assigned: set[TopicPartition]) -> None:
+        raise NotImplementedError
+
+    def _release(self, partitions: set[int]) -> None:
+        raise NotImplementedError
+
+    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
+        raise NotImplementedError
