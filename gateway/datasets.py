@@ -237,7 +237,8 @@ class DatasetStore:
                 seen = 0
                 for batch in pq.ParquetFile(spool).iter_batches(batch_size=BATCH_ROWS):
                     first, seen = seen, seen + batch.num_rows
-                    batch = batch.slice(max(lo - first, 0), max(min(hi - first, batch.num_rows), 0))
+                    begin = max(lo - first, 0)
+                    batch = batch.slice(begin, max(min(hi - first, batch.num_rows) - begin, 0))
                     if batch.num_rows == 0:
                         continue
                     lengths = pa.array(measure(batch.column("text").to_pylist()), pa.int64())

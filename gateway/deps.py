@@ -25,6 +25,9 @@ from gateway.prompts import PromptService
 from gateway.runs import RunRegistry
 from ingest.lake import Lake
 
+# Integers in paths and queries end up in Delta/Arrow int64 filters: bound them there.
+INT64_MAX = 2**63 - 1
+
 RunIdPath = Annotated[
     str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Run id.")
 ]

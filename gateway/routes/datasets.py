@@ -22,7 +22,7 @@ from gateway.datasets import (
     format_of,
     parse_slice,
 )
-from gateway.deps import ConfigDep, DatasetNamePath, DatasetsDep, ReadGlobal, WriteGlobal
+from gateway.deps import INT64_MAX, ConfigDep, DatasetNamePath, DatasetsDep, ReadGlobal, WriteGlobal
 from gateway.errors import ApiError
 
 router = APIRouter(tags=["datasets"])
@@ -115,7 +115,7 @@ async def upload_dataset(
     metadata_key: str = "metadata",
     tool_key: str | None = "tools",
     slice: Annotated[str | None, Query(description="`@[start:end]`, negative bounds allowed.")] = None,
-    max_prompt_len: Annotated[int | None, Query(ge=1)] = None,
+    max_prompt_len: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
     tokenizer: Annotated[str | None, Query(description="Configured tokenizer name; "
                                            "without it max_prompt_len counts characters.")] = None,
     filename: Annotated[str | None, Query(description="Names the format of a raw body.")] = None,
@@ -167,7 +167,7 @@ def _table_or_404(datasets: DatasetStore, name: str, version: int | None) -> Del
 
 @router.get("/v1/datasets/{name}", responses={404: {"description": "Unknown dataset/version."}})
 def get_dataset(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
-                version: Annotated[int | None, Query(ge=0)] = None) -> DatasetInfo:
+                version: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None) -> DatasetInfo:
     """A dataset's version (latest, or `version`), row count and upload history."""
     table = _table_or_404(datasets, name, version)
     history = []
@@ -181,8 +181,8 @@ def get_dataset(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
 
 @router.get("/v1/datasets/{name}/rows", responses={404: {"description": "Unknown dataset/version."}})
 def get_dataset_rows(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
-                     version: Annotated[int | None, Query(ge=0)] = None,
-                     offset: Annotated[int, Query(ge=0)] = 0,
+                     version: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
+                     offset: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> DatasetRows:
     """Rows `offset`..`offset+limit` of a dataset version, prompts and labels decoded."""
     table = _table_or_404(datasets, name, version)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from gateway.deps import ConfigDep, PromptsDep, ReadRun, RunIdPath, WriteRun
+from gateway.deps import INT64_MAX, ConfigDep, MetricsDep, PromptsDep, ReadRun, RunIdPath, WriteRun
 from gateway.errors import ApiError
 
 router = APIRouter(tags=["prompts"])
@@ -50,7 +50,7 @@ class PromptBatch(BaseModel):
 
 class RecycleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    group_indices: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    group_indices: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]
 
 
 class RecycleResult(BaseModel):
@@ -67,9 +67,9 @@ _RUN_ERRORS = {
 
 @router.post("/v1/runs/{run_id}/prompts", responses=_RUN_ERRORS)
 async def serve_prompts(
-    run_id: RunIdPath, _: WriteRun, prompts: PromptsDep, config: ConfigDep,
-    count: Annotated[int, Query(ge=1, description="Prompt groups wanted.")] = 1,
-    step: Annotated[int | None, Query(ge=0, description="The step whose weights generate "
+    run_id: RunIdPath, _: WriteRun, prompts: PromptsDep, config: ConfigDep, metrics: MetricsDep,
+    count: Annotated[int, Query(ge=1, le=INT64_MAX, description="Prompt groups wanted.")] = 1,
+    step: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="The step whose weights generate "
                                       "these groups; default: number of sealed steps.")] = None,
 ) -> PromptBatch:
     """Hand out the next `count` prompt groups of the run's dataset and publish their
@@ -83,7 +83,9 @@ async def serve_prompts(
     if count > config.max_prompts_per_request:
         raise ApiError(422, f"count: {count} is above the limit of "
                             f"{config.max_prompts_per_request} groups per request")
-    return PromptBatch.model_validate(await run_in_threadpool(prompts.serve, run_id, count, step))
+    batch = PromptBatch.model_validate(await run_in_threadpool(prompts.serve, run_id, count, step))
+    metrics.prompts_served.inc(len(batch.groups))
+    return batch
 
 
 @router.post("/v1/runs/{run_id}/prompts/recycle", responses=_RUN_ERRORS)

@@ -14,14 +14,14 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from gateway.deps import LakeDep, ReadRun, RunIdPath
+from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
 from ingest.lake import Lake
 from schemas.tables import TRAINING_BATCHES
 
 router = APIRouter(tags=["reads"])
 
-NonNegative = Annotated[int, Path(ge=0)]
+NonNegative = Annotated[int, Path(ge=0, le=INT64_MAX)]
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
 
 
@@ -102,7 +102,7 @@ def _metrics(lake: Lake, run_id: str, since_step: int | None) -> RunMetrics:
 @router.get("/v1/runs/{run_id}/metrics")
 async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
                       since_step: Annotated[int | None, Query(
-                          ge=-1, description="Only steps after this one.")] = None) -> RunMetrics:
+                          ge=-1, le=INT64_MAX, description="Only steps after this one.")] = None) -> RunMetrics:
     """Step metrics (Miles keys, CONTRACT section 5) per step, oldest first."""
     return await run_in_threadpool(_metrics, lake, run_id, since_step)
 
