@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 TINY_VOCAB_SIZE = 512
 
 
-def build_model(spec: str, seed: int) -> PreTrainedModel:
+def build_model(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A local HF causal LM, or `tiny`: a 2-layer random Llama that needs no download."""
     torch.manual_seed(seed)
     if spec == "tiny":
@@ -54,8 +54,18 @@ def build_model(spec: str, seed: int) -> PreTrainedModel:
             num_key_value_heads=2,
             max_position_embeddings=4096,
         )
-        return LlamaForCausalLM(config)
-    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=torch.float32)
+        return LlamaForCausalLM(config).to(dtype)
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+
+
+def model_dtype(ds_config: dict[str, Any]) -> torch.dtype:
+    """Load weights in the precision DeepSpeed will train in, not float32 first: an 8B
+    model would otherwise need 32 GB of host memory before DeepSpeed casts it."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def init_distributed(backend: str | None) -> None:
@@ -105,7 +115,8 @@ class Trainer:
         init_distributed(config.dist_backend)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        model = build_model(config.model, config.seed)
+        self.dtype = model_dtype(ds_config)
+        model = build_model(config.model, config.seed, self.dtype)
         # Batch sizes in the JSON are nominal: a sealed step is one update whatever its
         # size. They only have to satisfy DeepSpeed's own consistency check.
         ds_config.setdefault("train_micro_batch_size_per_gpu", 1)
@@ -151,9 +162,8 @@ class Trainer:
         self.next_step = self._resume()
 
     def _reference_model(self) -> PreTrainedModel:
-        ref = build_model(self.config.ref_model or self.config.model, self.config.seed)
-        dtype = next(self.engine.module.parameters()).dtype
-        ref.to(device=self.engine.device, dtype=dtype).eval().requires_grad_(False)
+        ref = build_model(self.config.ref_model or self.config.model, self.config.seed, self.dtype)
+        ref.to(self.engine.device).eval().requires_grad_(False)
         return ref
 
     def _resume(self) -> int | None:
