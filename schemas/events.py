@@ -230,6 +230,9 @@ EVENT_MODELS: dict[str, type[_Event]] = {
 TRAJECTORY_EVENT_TYPES = frozenset(EVENT_MODELS) - {"run_started"}
 
 _EVENT_ADAPTERS = {name: TypeAdapter(model) for name, model in EVENT_MODELS.items()}
+# One discriminated union parsed straight from JSON bytes in Rust: the fast path for
+# valid events (no intermediate Python dict of token lists).
+_ANY_EVENT_JSON = TypeAdapter(Annotated[AnyEvent, Field(discriminator="type")])
 
 
 def _describe(err: ValidationError, event_type: str, event_id: Any) -> EventValidationError:
@@ -275,6 +278,13 @@ def parse_event(data: Any, *, allowed: frozenset[str] | None = None) -> AnyEvent
 
 def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEvent:
     """Decode UTF-8 JSON bytes and validate them as one event."""
+    try:
+        event = _ANY_EVENT_JSON.validate_json(raw)
+    except ValidationError:
+        pass  # parse again below, for an error message that names event and field
+    else:
+        if allowed is None or event.type in allowed:
+            return event
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
