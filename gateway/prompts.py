@@ -15,8 +15,10 @@ processor applies once. So a group is never given to two callers and none is ski
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -35,6 +37,9 @@ from schemas.events import encode_event, event_group_key, parse_event
 from schemas.tables import PROMPT_CURSOR
 
 DEFAULT_SEED = 42
+# A run's config is re-read from the runs topic at most this often while it is being served
+# (one Kafka round trip per read): a new `n_samples_per_prompt` applies within a second.
+RUN_INFO_TTL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Issued:
     recycled_from: int | None
 
 
+@functools.lru_cache(maxsize=16)
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """Row order of one epoch; depends only on (n, seed, epoch), so it survives restarts."""
     if not shuffle:
@@ -128,6 +134,7 @@ class PromptService:
         self.producer = producer
         self._states: dict[str, _RunState] = {}
         self._guard = threading.Lock()
+        self._run_info: dict[str, tuple[float, RunInfo]] = {}
 
     def serve(self, run_id: str, count: int, step: int | None) -> dict[str, Any]:
         return self._submit(run_id, _Request(count=count, step=step))
@@ -167,8 +174,17 @@ class PromptService:
             raise request.error
         return request.result
 
-    def _process(self, run_id: str, state: _RunState, batch: list[_Request]) -> None:
+    def _info(self, run_id: str) -> RunInfo | None:
+        cached = self._run_info.get(run_id)
+        if cached is not None and time.monotonic() - cached[0] < RUN_INFO_TTL_S:
+            return cached[1]
         info = self.runs.get(run_id)
+        if info is not None:
+            self._run_info[run_id] = (time.monotonic(), info)
+        return info
+
+    def _process(self, run_id: str, state: _RunState, batch: list[_Request]) -> None:
+        info = self._info(run_id)
         if info is None:
             raise ApiError(404, f"run {run_id!r} is unknown (no run_started on the runs topic)")
         if info.dataset is None:

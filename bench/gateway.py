@@ -1,0 +1,169 @@
+"""Gateway ingest and prompt-serving benchmark against a real broker, lake and server.
+
+    .venv/bin/python bench/gateway.py [--seconds-per-case 5]
+
+1. Events/s and p99 latency of `POST /v1/events` with batches of 1, 16 and 256 realistic
+   samples (512 prompt + 1024 response tokens with log-probs), side by side with
+   publishing the same events through the SDK (`RolloutPublisher.publish` + `flush` per
+   batch, the SDK's own ack-per-batch equivalent). One sequential client each, so the
+   ratio compares the paths, not the parallelism.
+2. p50/p99 of `POST /v1/runs/{run}/prompts?count=1` with 100 concurrent requests.
+
+The gateway runs as `rolloutlake gateway` in its own process, as deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ingest.broker import EmbeddedBroker, free_port  # noqa: E402
+from ingest.kafka_io import KafkaSettings  # noqa: E402
+from ingest.publisher import RolloutPublisher  # noqa: E402
+from schemas.events import parse_event  # noqa: E402
+
+BATCHES = (1, 16, 256)
+RNG = np.random.default_rng(0)
+
+
+def sample(run_id: str, group_index: int, rollout_id: int) -> dict:
+    return {
+        "event_id": uuid.uuid4().hex, "type": "sample_finished", "schema_version": 1,
+        "run_id": run_id, "group_index": group_index, "rollout_id": rollout_id,
+        "status": "completed", "prompt_tokens": RNG.integers(0, 150_000, 512).tolist(),
+        "response_tokens": RNG.integers(0, 150_000, 1024).tolist(),
+        "rollout_log_probs": np.round(-RNG.random(1024), 4).tolist(), "reward": 1.0,
+    }
+
+
+def batches(size: int, count: int) -> list[list[dict]]:
+    run_id = f"bench-{uuid.uuid4().hex[:6]}"
+    return [[sample(run_id, b, i) for i in range(size)] for b in range(count)]
+
+
+def summarize(latencies: list[float], events: int, elapsed: float) -> tuple[float, float]:
+    return events / elapsed, float(np.percentile(latencies, 99) * 1000)
+
+
+def bench_sdk(kafka: KafkaSettings, work: list[list[dict]]) -> tuple[float, float]:
+    latencies = []
+    with RolloutPublisher(kafka) as pub:
+        start = time.perf_counter()
+        for batch in work:
+            t = time.perf_counter()
+            for event in batch:
+                pub.publish(parse_event(event))
+            pub.flush()
+            latencies.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - start
+    return summarize(latencies, sum(map(len, work)), elapsed)
+
+
+def bench_gateway(url: str, work: list[list[dict]]) -> tuple[float, float]:
+    latencies = []
+    bodies = [orjson.dumps(batch) for batch in work]  # client-side encoding is not timed
+    with httpx.Client(base_url=url, timeout=60) as client:
+        start = time.perf_counter()
+        for body in bodies:
+            t = time.perf_counter()
+            response = client.post("/v1/events", content=body,
+                                   headers={"Content-Type": "application/json"})
+            latencies.append(time.perf_counter() - t)
+            response.raise_for_status()
+        elapsed = time.perf_counter() - start
+    return summarize(latencies, sum(map(len, work)), elapsed)
+
+
+async def bench_prompts(url: str, run_id: str, concurrency: int, rounds: int) -> list[float]:
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
+        async def worker() -> None:
+            for _ in range(rounds):
+                t = time.perf_counter()
+                response = await client.post(f"/v1/runs/{run_id}/prompts",
+                                             params={"count": 1, "step": 0})
+                latencies.append(time.perf_counter() - t)
+                response.raise_for_status()
+
+        await client.post(f"/v1/runs/{run_id}/prompts", params={"count": 1, "step": 0})
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+def wait_ready(url: str, process: subprocess.Popen) -> None:
+    for _ in range(300):
+        if process.poll() is not None:
+            raise SystemExit(f"gateway exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz").json()["kafka"] == "connected":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("gateway did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=0,
+                        help="batches per case (default: about 2,000 events per case)")
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--prompt-rounds", type=int, default=10)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    with EmbeddedBroker(free_port()) as broker:
+        kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="bench.")
+        kafka.ensure_topics()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "ingest.cli", "gateway", "--allow-anonymous",
+             "--port", str(port), "--bootstrap-servers", kafka.bootstrap_servers,
+             "--topic-prefix", "bench.", "--lake", str(root / "lake"),
+             "--state-dir", str(root / "state")],
+            stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            wait_ready(url, gateway)
+            print(f"{'batch':>6} | {'SDK ev/s':>9} {'SDK p99 ms':>10} | "
+                  f"{'GW ev/s':>9} {'GW p99 ms':>10} | {'GW/SDK':>6}")
+            for size in BATCHES:
+                count = args.requests or max(8, 2048 // size)
+                sdk = bench_sdk(kafka, batches(size, count))
+                gw = bench_gateway(url, batches(size, count))
+                print(f"{size:>6} | {sdk[0]:>9.0f} {sdk[1]:>10.1f} | {gw[0]:>9.0f} "
+                      f"{gw[1]:>10.1f} | {gw[0] / sdk[0]:>6.2f}")
+            body = b"".join(orjson.dumps({"input": f"prompt {i}"}) + b"\n" for i in range(10_000))
+            httpx.post(f"{url}/v1/datasets/bench", params={"filename": "b.jsonl"},
+                       content=body, timeout=60).raise_for_status()
+            run_id = f"bench-{uuid.uuid4().hex[:6]}"
+            httpx.post(f"{url}/v1/runs", json={"run_id": run_id, "dataset": "bench", "config": {
+                "n_samples_per_prompt": 8, "rollout_batch_size": 32}}).raise_for_status()
+            latencies = asyncio.run(bench_prompts(url, run_id, args.concurrency,
+                                                  args.prompt_rounds))
+            ms = np.array(latencies) * 1000
+            print(f"prompts: {len(ms)} requests at {args.concurrency} concurrent: "
+                  f"p50 {np.percentile(ms, 50):.1f} ms  p99 {np.percentile(ms, 99):.1f} ms")
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
