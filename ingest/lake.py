@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pa_fs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
@@ -105,7 +106,7 @@ class Lake:
         for attempt in range(MAX_COMMIT_RETRIES):
             # The loaded snapshot is current for the app ids this process writes; another
             # writer's commit surfaces as CommitFailedError and the retry reloads.
-            fresh = [m for m in marks if (dt.transaction_version(m.app_id) or -1) < m.version]
+            fresh = [m for m in marks if _is_newer(dt.transaction_version(m.app_id), m.version)]
             if marks and not fresh:
                 return None
             if rows.num_rows == 0 and not fresh:
@@ -138,11 +139,16 @@ class Lake:
         filter: pc.Expression | None = None,
         columns: list[str] | None = None,
         version: int | None = None,
+        prune: str | None = None,
     ) -> pa.Table:
-        """Read a table (optionally at a version) with a pushed-down filter."""
+        """Read a table (optionally at a version) with a pushed-down filter.
+
+        `prune` is a SQL predicate (`"run_id = 'r1' AND step = 3"`) that delta-rs applies to
+        the files' min/max statistics in the log before any file is opened, so a read of
+        one step stays O(1) however many commits the table has.
+        """
         if not self.exists(table):
-            spec = self.spec(table)
-            empty = spec.empty()
+            empty = self.spec(table).empty()
             return empty.select(columns) if columns else empty
         if version is None:
             dt = self.refresh(table)
@@ -150,6 +156,18 @@ class Lake:
             dt = DeltaTable(
                 self.uri(table), version=version, storage_options=self.storage_options or None
             )
-        dataset: ds.Dataset = dt.to_pyarrow_dataset()
+        # On a local lake pyarrow reads the files itself; delta-rs's default filesystem
+        # routes every read through a Python handler.
+        local = (
+            pa_fs.SubTreeFileSystem(self.uri(table).removeprefix("file://"),
+                                    pa_fs.LocalFileSystem())
+            if self.is_local else None
+        )
+        dataset: ds.Dataset = dt.to_pyarrow_dataset(file_pruning_predicate=prune,
+                                                    filesystem=local)
         return dataset.to_table(filter=filter, columns=columns)
 
+
+def _is_newer(recorded: int | None, version: int) -> bool:
+    """Whether `version` advances an app transaction (version 0 is a real version)."""
+    return recorded is None or recorded < version

@@ -17,9 +17,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pa_fs
 import torch
-from deltalake import DeltaTable
 
 from ingest.lake import Lake
 from schemas.errors import BatchVerificationError
@@ -86,33 +84,12 @@ class StepFollower:
 def read_run_step(
     lake: Lake, table: str, run_id: str, step: int, version: int | None = None
 ) -> pa.Table:
-    """`Lake.read` of one (run_id, step), with the table's files pruned by their statistics.
+    """One (run_id, step) of a table, its files pruned by their Delta statistics first.
 
-    `Lake.read` hands every file of the version to pyarrow, which opens each one to
-    evaluate the filter, so a read costs O(steps in the table). delta-rs can drop files
-    by the min/max statistics in the log before any is opened, which keeps reading a step
-    O(1) however long the run. (run_id is restricted to [A-Za-z0-9._-], so it cannot
-    break out of the SQL literal.)
+    (run_id is restricted to [A-Za-z0-9._-], so it cannot break out of the SQL literal.)
     """
-    if not lake.exists(table):
-        return lake.spec(table).empty()
-    if version is None:
-        delta = lake.refresh(table)
-    else:
-        delta = DeltaTable(
-            lake.uri(table), version=version, storage_options=lake.storage_options or None
-        )
-    # On a local lake pyarrow reads the files itself; delta-rs's default filesystem
-    # routes every read through a Python handler.
-    local = (
-        pa_fs.SubTreeFileSystem(lake.uri(table).removeprefix("file://"), pa_fs.LocalFileSystem())
-        if lake.is_local
-        else None
-    )
-    dataset = delta.to_pyarrow_dataset(
-        file_pruning_predicate=f"run_id = '{run_id}' AND step = {int(step)}", filesystem=local
-    )
-    rows = dataset.to_table()
+    rows = lake.read(table, version=version,
+                     prune=f"run_id = '{run_id}' AND step = {int(step)}")
     # The surviving files usually hold only this step; filtering anyway would copy every
     # list column (pyarrow does not infer `step == s` from the files' min/max bounds).
     match = pc.and_(pc.equal(rows.column("run_id"), run_id), pc.equal(rows.column("step"), step))

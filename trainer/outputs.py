@@ -67,11 +67,6 @@ class StepSink:
 
     def record(self, row: dict[str, Any]) -> bool:
         """Append the step's `trainer_steps` row exactly once; log W&B when it was new."""
-        recorded = self.lake.txn_version(TRAINER_STEPS.name, self.app_id)
-        # Checked here as well as in Lake.append, which reads a recorded version 0 as
-        # "none" (`version or -1`) and would append step 0 twice.
-        if recorded is not None and recorded >= row["step"]:
-            return False
         values = dict(row, trained_at=dt.datetime.fromtimestamp(row["trained_at"], dt.UTC))
         table = pa.Table.from_pylist([values], schema=TRAINER_STEPS.schema)
         version = self.lake.append(

@@ -188,6 +188,10 @@ class BatchStage(Stage):
     def _recorded(self, table: str, partition: int) -> int | None:
         return self.recorded.get((table, partition))
 
+    def _advance(self, table: str, partition: int, offset: int) -> None:
+        recorded = self._recorded(table, partition)
+        self.recorded[(table, partition)] = offset if recorded is None else max(offset, recorded)
+
     def _write(self, table: str, pending: _Pending, marks: dict[int, int]) -> int | None:
         """Append the poll's rows of `table` that the table does not hold yet."""
         parts = pending.rows.get(table, [])
@@ -204,7 +208,7 @@ class BatchStage(Stage):
                     [TxnMark(app_id(table, self.topics.decisions, p), o) for p, o in marks.items()],
                 )
         for p, o in marks.items():
-            self.recorded[(table, p)] = max(o, self._recorded(table, p) or -1)
+            self._advance(table, p, o)
         return version
 
     def _write_steps(self, pending: _Pending, batch_version: int | None,
@@ -233,7 +237,7 @@ class BatchStage(Stage):
                 [TxnMark(app_id("steps", self.topics.decisions, p), o) for p, o in marks.items()],
             )
         for p, o in marks.items():
-            self.recorded[("steps", p)] = max(o, self._recorded("steps", p) or -1)
+            self._advance("steps", p, o)
         return [(r["run_id"], r["step"], r["sealed_at"] / 1e6) for r in new_rows]
 
     def _find_batch_version(self, run_id: str, step: int) -> int:
