@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import orjson
 import pyarrow.compute as pc
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel
@@ -16,13 +15,12 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
+from ingest.audit import GroupNotFound, group_audit
 from ingest.lake import Lake
-from schemas.tables import TRAINING_BATCHES
 
 router = APIRouter(tags=["reads"])
 
 NonNegative = Annotated[int, Path(ge=0, le=INT64_MAX)]
-TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
 
 
 class StepManifest(BaseModel):
@@ -108,24 +106,13 @@ async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
 
 
 def _audit(lake: Lake, run_id: str, group_index: int) -> GroupAudit:
-    in_group = _run(run_id, pc.field("group_index") == group_index)
-    events = lake.read("events", filter=in_group).sort_by([("partition", "ascending"),
-                                                           ("offset", "ascending")])
-    decision = lake.read("groups", filter=in_group).to_pylist()
-    samples = lake.read("samples", filter=in_group).sort_by(
-        [("rollout_id", "ascending"), ("fragment_index", "ascending")])
-    columns = [c for c in TRAINING_BATCHES.schema.names if c not in TOKEN_COLUMNS]
-    training = lake.read("training_batches", filter=in_group, columns=columns).sort_by(
-        [("step", "ascending"), ("position", "ascending")])
-    if not events.num_rows and not decision and not samples.num_rows:
-        raise ApiError(404, f"group {group_index} of run {run_id!r} has no archived events "
-                            "and no decision (yet)")
-    return GroupAudit(
-        run_id=run_id, group_index=group_index,
-        events=[{**e, "payload": orjson.loads(e["payload"])} for e in events.to_pylist()],
-        decision=decision[0] if decision else None,
-        samples=samples.to_pylist(), training_rows=training.to_pylist(),
-    )
+    try:
+        audit = group_audit(lake, run_id, group_index)
+    except GroupNotFound as err:
+        raise ApiError(404, str(err)) from None
+    return GroupAudit(run_id=run_id, group_index=group_index, events=audit.events,
+                      decision=audit.decision, samples=audit.samples,
+                      training_rows=audit.training_rows)
 
 
 @router.get("/v1/runs/{run_id}/groups/{group_index}",
