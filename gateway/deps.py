@@ -37,7 +37,7 @@ DatasetNamePath = Annotated[
 
 
 def _state(name: str):
-    def get(request: Request):
+    async def get(request: Request):
         return getattr(request.app.state, name)
 
     get.__name__ = f"get_{name}"
@@ -56,7 +56,7 @@ MetricsDep = Annotated[GatewayMetrics, Depends(_state("metrics"))]
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
 
 
-def authenticate(
+async def authenticate(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
@@ -82,7 +82,7 @@ def require(principal: Principal, scope: Scope, run_id: str | None = None) -> No
 
 
 def _run_scope(scope: Scope):
-    def check(run_id: RunIdPath, principal: PrincipalDep) -> Principal:
+    async def check(run_id: RunIdPath, principal: PrincipalDep) -> Principal:
         require(principal, scope, run_id)
         return principal
 
@@ -91,7 +91,7 @@ def _run_scope(scope: Scope):
 
 
 def _global_scope(scope: Scope):
-    def check(principal: PrincipalDep) -> Principal:
+    async def check(principal: PrincipalDep) -> Principal:
         require(principal, scope)
         return principal
 

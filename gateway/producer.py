@@ -12,8 +12,10 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kafka.errors import KafkaError
+from kafka.producer.future import RecordMetadata
 
 from ingest.kafka_io import KafkaSettings
 from ingest.publisher import RolloutPublisher
@@ -25,6 +27,15 @@ RECONNECT_INTERVAL_S = 1.0
 
 # (topic, key, value) of one message, already validated and encoded.
 Record = tuple[str, bytes, bytes]
+
+
+class _NoLinger(KafkaSettings):
+    """The gateway's producer settings: no linger. Every request waits for its own acks,
+    so lingering only adds latency (5 ms linger: ~8 ms p50 per acked send on Tansu; none:
+    ~1 ms); records sent while a request is in flight still share the next batch."""
+
+    def producer(self, **overrides: Any) -> Any:
+        return super().producer(**{"linger_ms": 0, **overrides})
 
 
 class GatewayProducer:
@@ -58,8 +69,9 @@ class GatewayProducer:
             )
         return publisher
 
-    def send(self, records: Sequence[Record]) -> None:
+    def send(self, records: Sequence[Record]) -> list[RecordMetadata]:
         """Publish all records and wait for their acks; any failure -> BrokerUnavailableError.
+        Returns each record's metadata (partition, offset), in order.
 
         A failed batch may be partly delivered: callers make retries safe by reusing
         event ids, which the processor applies once.
@@ -68,8 +80,8 @@ class GatewayProducer:
         deadline = time.monotonic() + self.publish_timeout_s
         try:
             futures = [publisher.send_raw(topic, key, value) for topic, key, value in records]
-            for future in futures:
-                future.get(timeout=max(0.0, deadline - time.monotonic()))
+            return [future.get(timeout=max(0.0, deadline - time.monotonic()))
+                    for future in futures]
         except (KafkaError, BrokerUnavailableError) as err:
             self._discard(publisher)
             raise BrokerUnavailableError(
@@ -110,7 +122,7 @@ class GatewayProducer:
     def _connect_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                publisher = RolloutPublisher(self.kafka)
+                publisher = RolloutPublisher(_NoLinger(**self.kafka.model_dump()))
             except RolloutlakeError as err:
                 log.warning("kafka not reachable, retrying: %s", err)
                 self._stopping.wait(RECONNECT_INTERVAL_S)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+import orjson
+from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -65,34 +66,37 @@ _RUN_ERRORS = {
 }
 
 
-@router.post("/v1/runs/{run_id}/prompts", responses=_RUN_ERRORS)
+@router.post("/v1/runs/{run_id}/prompts", responses=_RUN_ERRORS, response_model=PromptBatch)
 async def serve_prompts(
     run_id: RunIdPath, _: WriteRun, prompts: PromptsDep, config: ConfigDep, metrics: MetricsDep,
     count: Annotated[int, Query(ge=1, le=INT64_MAX, description="Prompt groups wanted.")] = 1,
     step: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="The step whose weights generate "
                                       "these groups; default: number of sealed steps.")] = None,
-) -> PromptBatch:
+) -> Response:
     """Hand out the next `count` prompt groups of the run's dataset and publish their
     `group_started` events.
 
     Recycled groups come first, then the dataset in the order of the current epoch (a
     seeded shuffle, `rollout_seed + epoch`), rolling over into the next epochs as needed.
-    Concurrent callers never get the same group; the cursor is committed to Delta before
-    the answer, so a gateway restart continues exactly where it stopped.
+    Concurrent callers never get the same group; every group's `group_started` is
+    acknowledged by Kafka before the answer, and that log (checkpointed to Delta) lets a
+    restarted gateway continue exactly where it stopped.
     """
     if count > config.max_prompts_per_request:
         raise ApiError(422, f"count: {count} is above the limit of "
                             f"{config.max_prompts_per_request} groups per request")
-    batch = PromptBatch.model_validate(await run_in_threadpool(prompts.serve, run_id, count, step))
-    metrics.prompts_served.inc(len(batch.groups))
-    return batch
+    # The service builds the answer from validated events: encode it directly (orjson),
+    # without a second pydantic pass; `response_model` still documents it.
+    batch = await run_in_threadpool(prompts.serve, run_id, count, step)
+    metrics.prompts_served.inc(len(batch["groups"]))
+    return Response(orjson.dumps(batch), media_type="application/json")
 
 
 @router.post("/v1/runs/{run_id}/prompts/recycle", responses=_RUN_ERRORS)
 async def recycle_prompts(run_id: RunIdPath, body: RecycleRequest, _: WriteRun,
                           prompts: PromptsDep) -> RecycleResult:
     """Put issued groups back (partial rollout): their prompts are served again first, as
-    new groups, before the dataset continues. Durable like the cursor."""
+    new groups, before the dataset continues. Checkpointed to Delta before the answer."""
     return RecycleResult.model_validate(
         await run_in_threadpool(prompts.recycle, run_id, body.group_indices))
 
