@@ -50,7 +50,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         state.datasets = DatasetStore(config.lake_root, config.upload_dir,
                                       tokenizers=config.tokenizers,
                                       line_limit=config.dataset_line_limit_bytes)
-        state.prompts = PromptService(state.lake, state.datasets, state.runs, state.producer)
+        state.prompts = PromptService(
+            state.lake, state.datasets, state.runs, state.producer,
+            checkpoint_groups=config.prompt_checkpoint_groups,
+            checkpoint_interval_s=config.prompt_checkpoint_interval_s)
         state.recent_ids = RecentIds(config.state_dir / "accepted_event_ids.log",
                                      config.dedup_window)
         state.producer.start(wait_s=KAFKA_STARTUP_WAIT_S)
@@ -58,7 +61,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             yield
         finally:
-            # Graceful shutdown: uvicorn has drained requests; flush what they published.
+            # Graceful shutdown: uvicorn has drained requests; checkpoint the prompt
+            # cursors, then flush what the requests published.
+            state.prompts.close()
             state.producer.close()
             state.runs.close()
             state.recent_ids.close()

@@ -79,6 +79,10 @@ class GatewayConfig(BaseModel):
     retry_after_s: Annotated[int, Field(ge=1)] = 5
     """`Retry-After` of a 503."""
     max_prompts_per_request: Annotated[int, Field(ge=1)] = 4096
+    prompt_checkpoint_groups: Annotated[int, Field(ge=1)] = 1000
+    """Checkpoint a run's prompt cursor to Delta after this many served groups..."""
+    prompt_checkpoint_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """...or this many seconds after the last checkpoint (off the request path)."""
 
     @model_validator(mode="after")
     def _auth_is_configured(self) -> GatewayConfig:

@@ -24,6 +24,9 @@ class TableSpec:
     schema: pa.Schema
     key: tuple[str, ...]
     partition_by: tuple[str, ...] = ()
+    # Large opaque columns (JSON payloads, token lists): written without dictionary
+    # encoding or statistics, which cost time and never pay off for them.
+    blob_columns: tuple[str, ...] = ()
 
     def empty(self) -> pa.Table:
         return self.schema.empty_table()
@@ -53,6 +56,7 @@ EVENTS = TableSpec(
     ),
     key=("run_id", "event_id"),
     partition_by=("run_id",),
+    blob_columns=("payload",),
 )
 
 GROUPS = TableSpec(
@@ -123,6 +127,7 @@ TRAINING_BATCHES = TableSpec(
     ),
     key=("run_id", "step", "position"),
     partition_by=("run_id",),
+    blob_columns=("prompt_tokens", "response_tokens", "rollout_log_probs"),
 )
 
 STEPS = TableSpec(
@@ -174,6 +179,7 @@ DEAD_LETTERS = TableSpec(
         ]
     ),
     key=("topic", "partition", "offset"),
+    blob_columns=("raw",),
 )
 
 TRAINER_STEPS = TableSpec(
@@ -317,3 +323,24 @@ WANDB_SYNC = TableSpec(
     key=("run_id", "wandb_run", "last_step"),
 )
 TABLES[WANDB_SYNC.name] = WANDB_SYNC
+
+# Appended for the gateway's prompt cursor checkpoints: where, per partition of the events
+# topic, the roll-forward over `group_started` events may start for checkpoint `seq` of a
+# run (every group_started of that run published after the checkpoint lies at or after
+# these offsets). A missing row means "scan the partition from its beginning".
+PROMPT_CURSOR_WAL = TableSpec(
+    "prompt_cursor_wal",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("seq", pa.int64(), False),
+            _f("topic", pa.string(), False),
+            _f("partitions", pa.list_(pa.int32()), False),
+            _f("offsets", pa.list_(pa.int64()), False),  # first offset to scan, per partition
+            _f("committed_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("run_id", "seq"),
+    partition_by=("run_id",),
+)
+TABLES[PROMPT_CURSOR_WAL.name] = PROMPT_CURSOR_WAL
