@@ -6,6 +6,11 @@ tests talk to it over loopback HTTP with httpx.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -69,6 +74,62 @@ class RunningGateway:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+    def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)
+
+
+class GatewayProcess:
+    """`rolloutlake gateway --config <file>` in its own process, as deployed; `kill()`
+    ends it with SIGKILL (no graceful shutdown, no final checkpoint)."""
+
+    def __init__(self, config: GatewayConfig, config_file: Path):
+        self.config = config
+        self.config_file = config_file
+        self.url = f"http://127.0.0.1:{config.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> GatewayProcess:
+        self.config_file.write_text(json.dumps(self.config.model_dump(mode="json")))
+        root = Path(__file__).resolve().parents[2]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ingest.cli", "gateway", "--config", str(self.config_file)],
+            cwd=root, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"gateway exited with {self.process.returncode}: {err[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).json()["kafka"] == "connected":
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("gateway process did not become ready")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to checkpoint or flush."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM: graceful shutdown (drain, final checkpoint, flush)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.kill()
+        if self.process is not None and self.process.stderr is not None:
+            self.process.stderr.close()
 
     def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
