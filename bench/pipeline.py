@@ -1,6 +1,6 @@
 """Pipeline throughput and latency, side by side with bare Kafka and JSONL, in one run.
 
-    .venv/bin/python bench/pipeline.py [--samples 3000] [--response-len 2048]
+    .venv/bin/python bench/pipeline.py [--steps 4] [--response-len 2048] [--latency-steps 6]
 
 One simulated stream (DAPO-like groups, log-normal responses of ~2k tokens with log-probs)
 goes through four paths on this machine, one after the other:
@@ -34,18 +34,13 @@ from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.tail import TableTail
 from schemas.events import event_group_key
 
 
-def stream(sim: SimulationConfig, samples: int) -> list[list[bytes]]:
-    """Encoded events per group, until `samples` samples."""
-    groups, count = [], 0
-    for group in open_loop_groups(sim):
-        groups.append([orjson.dumps(e) for e in group.events])
-        count += sim.n_samples
-        if count >= samples:
-            break
-    return groups
+def stream(sim: SimulationConfig) -> list[list[bytes]]:
+    """Encoded events per group of the open-loop run (`sim.steps` steps seal)."""
+    return [[orjson.dumps(e) for e in group.events] for group in open_loop_groups(sim)]
 
 
 def response_tokens(groups: list[list[bytes]]) -> tuple[int, int]:
@@ -108,36 +103,30 @@ def _spawn(kafka: KafkaSettings, lake: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
          kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-         "--event-partitions", "1", "--until-idle", "3"],
+         "--event-partitions", "1", "--until-idle", "10"],
         stderr=subprocess.DEVNULL,
     )
 
 
 class Watcher(threading.Thread):
-    """Polls `groups` and `steps` and records when each row first became visible."""
+    """Tails `groups` and `steps` and records when each row first became visible."""
 
     def __init__(self, lake_root: str, run_id: str):
         super().__init__(daemon=True)
-        self.lake, self.run_id = Lake(lake_root), run_id
+        lake = Lake(lake_root)
+        self.tails = {"groups": TableTail(lake, "groups", run_id, ["group_index"]),
+                      "steps": TableTail(lake, "steps", run_id, ["step"])}
         self.group_seen: dict[int, float] = {}
         self.step_seen: dict[int, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
-        versions: dict[str, int] = {}
         while not self.stop.is_set():
             for table, seen, column in (("groups", self.group_seen, "group_index"),
                                         ("steps", self.step_seen, "step")):
-                if not self.lake.exists(table):
-                    continue
-                version = self.lake.version(table)
-                if versions.get(table) == version:
-                    continue
-                versions[table] = version
+                rows = self.tails[table].poll()
                 now = time.perf_counter()
-                keys = self.lake.read(table, columns=[column],
-                                      filter=pc.field("run_id") == self.run_id)
-                for key in keys.column(column).to_pylist():
+                for key in [] if rows is None else rows.column(column).to_pylist():
                     seen.setdefault(key, now)
             time.sleep(0.01)
 
@@ -180,14 +169,14 @@ def percentiles(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=4, help="steps of the throughput run")
     parser.add_argument("--response-len", type=float, default=2048.0)
-    parser.add_argument("--latency-steps", type=int, default=4)
+    parser.add_argument("--latency-steps", type=int, default=6)
     args = parser.parse_args()
-    sim = SimulationConfig(run_id="bench", steps=10_000, rollout_batch_size=32, n_samples=8,
+    sim = SimulationConfig(run_id="bench", steps=args.steps, rollout_batch_size=32, n_samples=8,
                            response_len_mean=args.response_len, prompt_len=256, mode="open",
                            duplicate_rate=0.0, seed=3)
-    groups = stream(sim, args.samples)
+    groups = stream(sim)
     tokens, samples = response_tokens(groups)
     size = sum(len(raw) for events in groups for raw in events)
     print(f"stream: {len(groups)} groups, {samples} samples, {tokens / samples:.0f} response "
@@ -201,11 +190,11 @@ def main() -> None:
         jsonl_s = bench_jsonl(groups, folder)
         bare_s = bench_bare_kafka(settings("bare."), groups)
         pipe_s, _, watcher = run_pipeline(settings("pipe."), sim, groups, str(folder / "lake"),
-                                          pace_s=0.0, expect_steps=10_000)
+                                          pace_s=0.0, expect_steps=args.steps)
         sealed = Lake(str(folder / "lake")).read("steps", columns=["n_tokens"])
         steps = sealed.num_rows
-        latency_groups = groups[: max(1, len(groups) * args.latency_steps // max(steps, 1))]
-        _, sent_at, lat = run_pipeline(settings("lat."), sim, latency_groups,
+        paced = sim.model_copy(update={"steps": args.latency_steps, "seed": 4})
+        _, sent_at, lat = run_pipeline(settings("lat."), paced, stream(paced),
                                        str(folder / "lake-latency"), pace_s=0.05,
                                        expect_steps=args.latency_steps)
     decided = [lat.group_seen[g] - t for g, t in sent_at.items() if g in lat.group_seen]

@@ -8,6 +8,7 @@ a lower version silently.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pa_fs
-from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import (
+    ColumnProperties,
+    CommitProperties,
+    DeltaTable,
+    Transaction,
+    WriterProperties,
+    write_deltalake,
+)
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from schemas.tables import TABLES, TableSpec
@@ -116,6 +124,7 @@ class Lake:
                     dt,
                     rows,
                     mode="append",
+                    writer_properties=_writer_properties(spec),
                     commit_properties=CommitProperties(
                         app_transactions=[Transaction(m.app_id, m.version) for m in fresh]
                     ),
@@ -166,6 +175,14 @@ class Lake:
         dataset: ds.Dataset = dt.to_pyarrow_dataset(file_pruning_predicate=prune,
                                                     filesystem=local)
         return dataset.to_table(filter=filter, columns=columns)
+
+
+@functools.cache
+def _writer_properties(spec: TableSpec) -> WriterProperties | None:
+    if not spec.blob_columns:
+        return None
+    blob = ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
+    return WriterProperties(column_properties={name: blob for name in spec.blob_columns})
 
 
 def _is_newer(recorded: int | None, version: int) -> bool:

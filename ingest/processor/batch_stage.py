@@ -32,9 +32,9 @@ from schemas.tables import GROUPS, STEP_METRICS, STEPS
 
 log = logging.getLogger(__name__)
 
-# Commit order: `groups` last. Its recorded offset is the stage's progress marker for
-# operators; every table filters by its own recorded offset, so the order is not needed
-# for correctness, only for `groups` never to run ahead of the batches it refers to.
+# Commit order (see `_commit`). Every table filters by its own recorded offset, so the
+# order is not needed for correctness; it puts the seal first and `groups` last, so a
+# `groups` row never runs ahead of the batch it refers to.
 TABLE_ORDER = ("training_batches", "steps", "samples", "step_metrics", "groups")
 STEP_KEY = "rolloutlake.steps"
 
@@ -164,23 +164,23 @@ class BatchStage(Stage):
     # -- commit ----------------------------------------------------------------------------
 
     def _commit(self, pending: _Pending) -> None:
+        """Seal first (the trainer waits on it), then audit rows, metrics and `groups` last."""
         topic = self.topics.decisions
-        marks = {p: o for p, o in pending.last_offset.items()}
-        versions: dict[str, int | None] = {}
-        for table in ("training_batches", "samples"):
-            versions[table] = self._write(table, pending, marks)
-        new_steps = self._write_steps(pending, versions.get("training_batches"), marks)
-        self._write_metrics(pending, marks)
-        self._write("groups", pending, marks)
-        self.dead_letters.commit(
-            [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
-        )
+        marks = dict(pending.last_offset)
+        batch_version = self._write("training_batches", pending, marks)
+        new_steps = self._write_steps(pending, batch_version, marks)
         for run_id, step, sealed_at in new_steps:
             message = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
             self.producer.send(self.topics.control, key=run_id.encode(),
                                value=message.model_dump_json().encode())
         if new_steps:
             self.producer.flush()
+        self._write("samples", pending, marks)
+        self._write_metrics(pending, marks)
+        self._write("groups", pending, marks)
+        self.dead_letters.commit(
+            [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
+        )
         for partition, end in list(self.replaying.items()):
             if marks.get(partition, -1) >= end - 1 or end == 0:
                 del self.replaying[partition]

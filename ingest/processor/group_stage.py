@@ -29,7 +29,13 @@ from ingest.processor.decisions import encode_decision, encode_opened
 from ingest.processor.io import app_id, utc_micros
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError, RolloutlakeError
-from schemas.events import TRAJECTORY_EVENT_TYPES, GroupStarted, decode_event, parse_event
+from schemas.events import (
+    TRAJECTORY_EVENT_TYPES,
+    AnyEvent,
+    GroupStarted,
+    decode_event,
+    parse_event,
+)
 from schemas.tables import EVENTS
 
 log = logging.getLogger(__name__)
@@ -53,9 +59,41 @@ class _Opened:
     at: float
 
 
+class ArchiveRows:
+    """`events` rows built column by column (payloads stay bytes until one Arrow cast)."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, list[Any]] = {name: [] for name in EVENTS.schema.names}
+
+    def add(self, record: Any, event: AnyEvent) -> None:
+        c = self.columns
+        c["run_id"].append(event.run_id)
+        c["event_id"].append(event.event_id)
+        c["type"].append(event.type)
+        c["group_index"].append(getattr(event, "group_index", None))
+        c["rollout_id"].append(getattr(event, "rollout_id", None))
+        c["topic"].append(record.topic)
+        c["partition"].append(record.partition)
+        c["offset"].append(record.offset)
+        c["ingested_at"].append(utc_micros(time.time()))
+        c["payload"].append(record.value)
+        c["step"].append(event.step if isinstance(event, GroupStarted) else None)
+
+    def __len__(self) -> int:
+        return len(self.columns["run_id"])
+
+    def table(self) -> pa.Table:
+        payload = pa.array(self.columns["payload"], pa.binary()).cast(pa.string())
+        arrays = [
+            payload if name == "payload" else pa.array(self.columns[name], EVENTS.schema.field(name).type)
+            for name in EVENTS.schema.names
+        ]
+        return pa.Table.from_arrays(arrays, schema=EVENTS.schema)
+
+
 @dataclass
 class _Batch:
-    archive: list[dict[str, Any]] = field(default_factory=list)
+    archive: ArchiveRows = field(default_factory=ArchiveRows)
     decisions: list[DecidedGroup | _Opened] = field(default_factory=list)  # in publish order
     last_offset: dict[int, int] = field(default_factory=dict)
 
@@ -178,16 +216,7 @@ class GroupStage(Stage):
             self.dead_letters.add(record.topic, partition, offset, reject, record.value,
                                   run_id=event.run_id, group_index=event.group_index)
             return
-        batch.archive.append(
-            {
-                "run_id": event.run_id, "event_id": event.event_id, "type": event.type,
-                "group_index": event.group_index,
-                "rollout_id": getattr(event, "rollout_id", None),
-                "topic": record.topic, "partition": partition, "offset": offset,
-                "ingested_at": utc_micros(time.time()), "payload": record.value.decode(),
-                "step": event.step if isinstance(event, GroupStarted) else None,
-            }
-        )
+        batch.archive.add(record, event)
         if isinstance(event, GroupStarted):
             batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, time.time()))
         if pending.builder.group.complete and pending.completed_at is None:
@@ -266,7 +295,7 @@ class GroupStage(Stage):
 
     def _archive_runs(self) -> None:
         """Archive run_started events too, so replay and audit know each run's config."""
-        rows, marks = [], {}
+        rows, marks = ArchiveRows(), {}
         for record, event in self.runs.take_records():
             app = app_id("events", record.topic, record.partition)
             if app not in self._runs_recorded:
@@ -274,16 +303,10 @@ class GroupStage(Stage):
             recorded = self._runs_recorded[app]
             if recorded is not None and record.offset <= recorded:
                 continue
-            rows.append(
-                {"run_id": event.run_id, "event_id": event.event_id, "type": event.type,
-                 "group_index": None, "rollout_id": None, "topic": record.topic,
-                 "partition": record.partition, "offset": record.offset,
-                 "ingested_at": utc_micros(time.time()), "payload": record.value.decode(),
-                 "step": None}
-            )
+            rows.add(record, event)
             marks[app] = record.offset
-        if rows:
-            self.lake.append("events", pa.Table.from_pylist(rows, schema=EVENTS.schema),
+        if len(rows):
+            self.lake.append("events", rows.table(),
                              [TxnMark(app, offset) for app, offset in marks.items()])
             self._runs_recorded.update(marks)
 
@@ -293,9 +316,8 @@ class GroupStage(Stage):
         marks = [TxnMark(app_id("dead_letters", topic, p), o) for p, o in batch.last_offset.items()]
         self.dead_letters.commit(marks)
         if batch.last_offset:
-            rows = pa.Table.from_pylist(batch.archive, schema=EVENTS.schema)
             self.lake.append(
-                "events", rows,
+                "events", batch.archive.table(),
                 [TxnMark(app_id("events", topic, p), o) for p, o in batch.last_offset.items()],
             )
             for p, o in batch.last_offset.items():

@@ -1,12 +1,23 @@
-"""`rolloutlake process`: run the group and batch stages until stopped (or idle)."""
+"""`rolloutlake process`: run the group and batch stages until stopped (or idle).
+
+By default the batch stage runs in a child process, so the two stages use two cores
+instead of sharing one interpreter lock. The child dies with its parent (a kill -9 of the
+processor kills both); on a normal stop or idle exit the parent tells the child to drain
+the decisions still in flight, close its steps and exit.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 import time
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -15,9 +26,12 @@ from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
+
+DRAIN_IDLE_S = 1.0  # a draining stage stops after this long without new messages
+DRAIN_LIMIT_S = 30.0
 
 
 class Processor:
@@ -37,6 +51,7 @@ class Processor:
         if config.stages in ("all", "batches"):
             self.stages.append(BatchStage(config, Lake(config.lake)))
         self.errors: list[BaseException] = []
+        self.drain_deadline: float | None = None
 
     def _loop(self, stage: GroupStage | BatchStage) -> None:
         try:
@@ -55,8 +70,13 @@ class Processor:
         idle_s = self.config.until_idle_s
         while not self.stop_event.is_set():
             time.sleep(0.1)
-            if idle_s is not None and self._idle_for() >= idle_s:
+            idle = self._idle_for()
+            if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
+                self.stop_event.set()
+            if self.drain_deadline is not None and (
+                idle >= DRAIN_IDLE_S or time.monotonic() > self.drain_deadline
+            ):
                 self.stop_event.set()
         for thread in threads:
             thread.join()
@@ -78,6 +98,66 @@ class Processor:
     def stop(self, *_: object) -> None:
         self.stop_event.set()
 
+    def drain(self, *_: object) -> None:
+        """Finish what has arrived (until idle for a moment), then stop."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies, so no orphan stage lives on."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
+    """Entry point of the batch-stage child process (started with `spawn`)."""
+    _die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    processor = Processor(ProcessorConfig.model_validate(
+        {**config, "stages": "batches", "until_idle_s": None}))
+    signal.signal(signal.SIGTERM, processor.drain)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    sys.exit(processor.run())
+
+
+def run_split(config: ProcessorConfig) -> int:
+    """Group stage here, batch stage in a child process; returns the exit code."""
+    groups = Processor(config.model_copy(update={"stages": "groups"}))
+    # delta-rs must not be forked: the child is spawned, a fresh interpreter.
+    child = multiprocessing.get_context("spawn").Process(
+        target=_batch_process, args=(config.model_dump(mode="json"), os.getpid()),
+        name="rolloutlake-batches",
+    )
+    child.start()
+
+    def watch_child() -> None:
+        child.join()
+        if not groups.stop_event.is_set():
+            log.error("the batch stage exited with code %s; stopping", child.exitcode)
+            groups.stop()
+
+    threading.Thread(target=watch_child, daemon=True).start()
+    signal.signal(signal.SIGTERM, groups.stop)
+    signal.signal(signal.SIGINT, groups.stop)
+    try:
+        code = groups.run()
+    finally:
+        if child.is_alive():
+            child.terminate()  # SIGTERM: drain, close steps, exit
+            child.join(DRAIN_LIMIT_S + 30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if child.exitcode:
+        raise RolloutlakeError(f"the batch stage exited with code {child.exitcode}")
+    return code
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-servers", default="127.0.0.1:9092", help="Kafka brokers")
@@ -89,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-partitions", type=int, default=4,
                         help="partitions of rollout.events when creating it")
     parser.add_argument("--consumer-group", default="rolloutlake")
+    parser.add_argument("--single-process", action="store_true",
+                        help="run both stages as threads of one process (one core)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
@@ -109,7 +191,10 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    processor = Processor(config_from_args(args))
+    config = config_from_args(args)
+    if config.stages == "all" and not args.single_process:
+        return run_split(config)
+    processor = Processor(config)
     signal.signal(signal.SIGTERM, processor.stop)
     signal.signal(signal.SIGINT, processor.stop)
     return processor.run()

@@ -24,7 +24,9 @@ class Stage(ConsumerRebalanceListener):
         self.config = config
         self.lake = lake
         self.topics = config.kafka.topics
-        self.producer = config.kafka.producer()
+        # Decisions stay on loopback or a LAN inside the deployment: compressing them costs
+        # more CPU on both stages than it saves on the wire.
+        self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
         self.runs = RunRegistry(config.kafka, self.dead_letters)
         self.consumer = config.kafka.consumer(
