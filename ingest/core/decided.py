@@ -55,6 +55,9 @@ class DecisionHeader:
     cancel_min_ts: float | None = None
     offered: bool = True  # reached the filter chain (False for a group_timeout)
     source: dict[str, int] = field(default_factory=dict)  # events partition/offset deciding it
+    # Too large to travel inline: the batch stage re-assembles the fragments from the
+    # `events` archive, which the group stage commits before it publishes the decision.
+    fragments_in_archive: bool = False
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

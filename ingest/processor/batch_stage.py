@@ -21,8 +21,9 @@ import pyarrow.compute as pc
 from kafka import TopicPartition
 
 from ingest.core.batching import Effects, RunBatcher
-from ingest.core.decided import DecidedGroup
+from ingest.core.decided import DecidedGroup, fragments_table
 from ingest.lake import Lake, TxnMark
+from ingest.processor.archive import archived_group
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import decision_header, decode_fragments, opened_notice
 from ingest.processor.io import app_id, utc_micros
@@ -135,7 +136,14 @@ class BatchStage(Stage):
                                   record.value, run_id=header.run_id,
                                   group_index=header.group_index)
             return
-        group = DecidedGroup(header, decode_fragments(record.value))
+        if header.fragments_in_archive:
+            fragments = fragments_table(
+                archived_group(self.lake, header.run_id, header.group_index),
+                batcher.config.reward_key, with_tokens=header.decision == "kept",
+            )
+        else:
+            fragments = decode_fragments(record.value)
+        group = DecidedGroup(header, fragments)
         effects = batcher.offer(group, now=header.decided_at)
         self._collect(header.run_id, record.partition, record.offset, effects, pending)
 

@@ -9,6 +9,7 @@ decision, reason — so controllers never decode the token payload.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -17,14 +18,26 @@ import pyarrow as pa
 from ingest.core.decided import FRAGMENTS, DecidedGroup, DecisionHeader
 
 HEADER = "decision"
+# Decisions larger than this carry no fragments (see DecisionHeader.fragments_in_archive):
+# a group of several 8 MiB samples would not fit in one Kafka message.
+INLINE_LIMIT_BYTES = 4 * 1024 * 1024
 OPENED = "opened"  # a group_started was archived: {run_id, group_index, step, at}
 
 
 def encode_decision(decided: DecidedGroup) -> tuple[list[tuple[str, bytes]], bytes]:
+    value = _ipc(decided.fragments)
+    header = decided.header
+    if len(value) > INLINE_LIMIT_BYTES:
+        header = replace(header, fragments_in_archive=True)
+        value = _ipc(FRAGMENTS.empty_table())
+    return [(HEADER, header.to_json())], value
+
+
+def _ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, FRAGMENTS) as writer:
-        writer.write_table(decided.fragments)
-    return [(HEADER, decided.header.to_json())], sink.getvalue().to_pybytes()
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
 def decision_header(record: Any) -> DecisionHeader | None:

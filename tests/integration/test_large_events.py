@@ -1,0 +1,49 @@
+"""An 8 MiB event passes end to end: SDK -> Kafka -> processor -> sealed batch in Delta."""
+
+from __future__ import annotations
+
+import pyarrow.compute as pc
+from kafka import TopicPartition
+
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.processor.decisions import decision_header
+from ingest.publisher import RolloutPublisher
+from schemas.tables import content_sha256
+from tests.integration.pipeline import run_processor
+
+TOKENS = 1_150_000  # "100000," is 7 bytes per token: about 7.7 MiB of JSON
+
+
+def test_eight_mib_sample_reaches_a_sealed_batch(broker, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="big.",
+                          event_partitions=1, decision_partitions=1)
+    kafka.ensure_topics()
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started("big", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
+        pub.group_started("big", group_index=0, step=0, n_samples=2)
+        pub.sample_finished("big", group_index=0, rollout_id=0, status="truncated",
+                            prompt_tokens=[1], response_tokens=[100000] * TOKENS, reward=1.0)
+        pub.sample_finished("big", group_index=0, rollout_id=1, status="completed",
+                            prompt_tokens=[1], response_tokens=[5], reward=0.0)
+    run_processor(kafka, str(tmp_path), idle_s=2.0)
+    lake = Lake(tmp_path)
+    steps = lake.read("steps").to_pylist()
+    assert [s["step"] for s in steps] == [0]
+    rows = lake.read("training_batches", version=steps[0]["batch_version"],
+                     filter=pc.field("run_id") == "big").sort_by("position")
+    lengths = [len(r) for r in rows.column("response_tokens").to_pylist()]
+    assert lengths == [TOKENS, 1]
+    assert rows.column("loss_mask")[0].values.to_numpy().sum() == TOKENS
+    assert steps[0]["content_sha256"] == content_sha256(rows)
+    assert lake.read("dead_letters").num_rows == 0
+    # The decision was too large to carry the fragments inline: they came from the archive.
+    consumer = kafka.consumer(group_id=None)
+    tp = TopicPartition(kafka.topics.decisions, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    headers = [decision_header(r) for batch in consumer.poll(timeout_ms=5000).values()
+               for r in batch]
+    consumer.close()
+    decided = [h for h in headers if h is not None]
+    assert [h.fragments_in_archive for h in decided] == [True]
