@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -83,10 +84,12 @@ def sync_run(
         project=project, entity=entity, id=wandb_id, resume="allow", mode=mode,
         dir=str(wandb_dir) if wandb_dir else None, job_type="rollout-metrics",
         config={"rolloutlake_run_id": run_id}, settings=wandb.Settings(silent=True),
+        reinit="create_new",  # the processor syncs several runs at once
     )
     log.info("wandb-sync run=%s wandb=%s/%s mode=%s after step %s",
              run_id, project, wandb_id, mode, after)
     logged = 0
+    final = False
     try:
         while True:
             steps = tail.poll()
@@ -102,10 +105,31 @@ def sync_run(
                 logged += len(steps)
                 log.info("wandb-sync run=%s logged steps %d..%d",
                          run_id, steps[0].step, steps[-1].step)
-            if not follow or stop.wait(poll_s):
+            if not follow or final:
                 return logged
+            final = stop.wait(poll_s)  # once stopped, one last poll picks up the last steps
     finally:
         run.finish()
+
+
+def follow_all_runs(lake: Lake, run_ids: Callable[[], Iterable[str]], stop: threading.Event, *,
+                    wandb_dir: str | Path | None = None, poll_s: float = 2.0) -> None:
+    """The processor's `--wandb`: follow every run `run_ids()` names, one thread per run,
+    until `stop` is set (then each W&B run is finished)."""
+    threads: dict[str, threading.Thread] = {}
+    while True:
+        for run_id in run_ids():
+            if run_id not in threads:
+                threads[run_id] = threading.Thread(
+                    target=sync_run, args=(lake, run_id),
+                    kwargs={"follow": True, "stop": stop, "poll_s": poll_s,
+                            "wandb_dir": wandb_dir},
+                    name=f"wandb-{run_id}", daemon=True)
+                threads[run_id].start()
+        if stop.wait(poll_s):
+            break
+    for thread in threads.values():
+        thread.join(timeout=60)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,3 +29,7 @@ class ProcessorConfig(BaseModel):
     """Consumer-group session timeout; joining takes about half of it on Tansu."""
     default_group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of groups whose run has no `run_started` yet."""
+    wandb: bool = False
+    """Also log every run's step metrics to Weights & Biases (offline unless WANDB_MODE)."""
+    wandb_dir: str | None = None
+    """Where W&B keeps its run files (default: its own, ./wandb)."""

@@ -26,6 +26,7 @@ from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
+from ingest.wandb_sync import follow_all_runs
 from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Processor:
             self.stages.append(BatchStage(config, Lake(config.lake)))
         self.errors: list[BaseException] = []
         self.drain_deadline: float | None = None
+        self.wandb_stop = threading.Event()
 
     def _loop(self, stage: GroupStage | BatchStage) -> None:
         try:
@@ -65,6 +67,14 @@ class Processor:
     def run(self) -> int:
         threads = [threading.Thread(target=self._loop, args=(s,), name=type(s).__name__, daemon=True)
                    for s in self.stages]
+        syncer = None
+        if self.config.wandb and self.stages:
+            runs = self.stages[0].runs  # read by the stage thread; the syncer only lists keys
+            syncer = threading.Thread(
+                target=follow_all_runs, name="wandb",
+                args=(self.lake, lambda: list(runs.configs), self.wandb_stop),
+                kwargs={"wandb_dir": self.config.wandb_dir})
+            syncer.start()
         for thread in threads:
             thread.start()
         idle_s = self.config.until_idle_s
@@ -84,6 +94,9 @@ class Processor:
             for stage in self.stages:
                 if isinstance(stage, BatchStage):
                     stage.flush()
+        if syncer is not None:  # stopped after the flush, so the last steps are synced too
+            self.wandb_stop.set()
+            syncer.join()
         for stage in self.stages:
             stage.close()
         if self.errors:
@@ -128,7 +141,8 @@ def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
 
 def run_split(config: ProcessorConfig) -> int:
     """Group stage here, batch stage in a child process; returns the exit code."""
-    groups = Processor(config.model_copy(update={"stages": "groups"}))
+    # The child writes the metrics and closes the last steps, so it runs the W&B sink.
+    groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}))
     # delta-rs must not be forked: the child is spawned, a fresh interpreter.
     child = multiprocessing.get_context("spawn").Process(
         target=_batch_process, args=(config.model_dump(mode="json"), os.getpid()),
@@ -169,6 +183,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-partitions", type=int, default=4,
                         help="partitions of rollout.events when creating it")
     parser.add_argument("--consumer-group", default="rolloutlake")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log every run's step metrics to W&B (offline unless WANDB_MODE)")
     parser.add_argument("--single-process", action="store_true",
                         help="run both stages as threads of one process (one core)")
 
@@ -183,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
             until_idle_s=args.until_idle,
             stages=args.stages,
             consumer_group=args.consumer_group,
+            wandb=args.wandb,
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
