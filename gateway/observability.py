@@ -80,15 +80,16 @@ class ObserveRequests:
             route = _route_of(scope)
             self.metrics.requests.labels(scope["method"], route, str(status)).inc()
             self.metrics.latency.labels(scope["method"], route).observe(elapsed)
-            access_log.info(json.dumps({
-                "method": scope["method"],
-                "route": route,
-                "path": scope["path"],
-                "status": status,
-                "ms": round(elapsed * 1000, 2),
-                "client": (scope.get("client") or ("-",))[0],
-                "principal": scope.get("state", {}).get("principal"),
-            }))
+            if access_log.isEnabledFor(logging.INFO):
+                access_log.info(json.dumps({
+                    "method": scope["method"],
+                    "route": route,
+                    "path": scope["path"],
+                    "status": status,
+                    "ms": round(elapsed * 1000, 2),
+                    "client": (scope.get("client") or ("-",))[0],
+                    "principal": scope.get("state", {}).get("principal"),
+                }))
 
 
 class BodyTooLarge(HTTPException):

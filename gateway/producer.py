@@ -8,6 +8,7 @@ broker keeps failing with `UnknownProducerIdError` once a fresh broker answers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -89,6 +90,42 @@ class GatewayProducer:
                 f"({type(err).__name__})"
             ) from None
 
+    async def send_async(self, records: Sequence[Record]) -> list[RecordMetadata]:
+        """`send` for the event loop: hands the records to the producer (no I/O, no thread
+        hop) and awaits the acks, which the producer's sender thread reports back."""
+        publisher = self.publisher()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[RecordMetadata]] = loop.create_future()
+        acks: list[RecordMetadata | None] = [None] * len(records)
+        remaining = [len(records)]
+        guard = threading.Lock()
+
+        def settle(index: int, metadata: RecordMetadata) -> None:
+            acks[index] = metadata
+            with guard:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                loop.call_soon_threadsafe(_resolve, done, acks, None)
+
+        def fail(err: BaseException) -> None:
+            loop.call_soon_threadsafe(_resolve, done, None, err)
+
+        try:
+            for index, (topic, key, value) in enumerate(records):
+                future = publisher.send_raw(topic, key, value)
+                future.add_callback(settle, index)
+                future.add_errback(fail)
+            if not records:
+                return []
+            return await asyncio.wait_for(done, self.publish_timeout_s)
+        except (KafkaError, BrokerUnavailableError, TimeoutError) as err:
+            self._discard(publisher)
+            raise BrokerUnavailableError(
+                f"the broker did not acknowledge the events within {self.publish_timeout_s} s "
+                f"({type(err).__name__})"
+            ) from None
+
     def close(self) -> None:
         """Graceful shutdown: flush what was sent, stop reconnecting."""
         self._stopping.set()
@@ -135,6 +172,15 @@ class GatewayProducer:
                     return
             _close_quietly(publisher)  # shutdown began while connecting
             return
+
+
+def _resolve(done: asyncio.Future[Any], value: Any, err: BaseException | None) -> None:
+    if done.done():
+        return
+    if err is not None:
+        done.set_exception(KafkaError(f"{type(err).__name__}: {err}"))
+    else:
+        done.set_result(value)
 
 
 def _close_quietly(publisher: RolloutPublisher) -> None:

@@ -8,10 +8,12 @@ of epochs. `seed` is the run config's `rollout_seed` (default 42).
 Durability: the acknowledged `group_started` events on the events topic are the cursor's
 write-ahead log; the Delta table `prompt_cursor` is a checkpoint of it.
 
-- Request path: requests for one run queue up and whichever holds the run's lock serves
-  the whole queue (group commit): it advances a copy of the in-memory cursor, publishes
-  the groups' `group_started` events (deterministic ids `{run}/group_started/{index}`),
-  waits for every ack (acks=all), and only then adopts the new cursor and answers. A
+- Request path (on the event loop, no thread hop once a run is warm): requests for one
+  run queue up and one task per run drains the queue in order (group commit): for all
+  queued serves at once it advances a copy of the in-memory cursor, publishes the groups'
+  `group_started` events (deterministic ids `{run}/group_started/{index}`), awaits every
+  ack (acks=all), and only then adopts the new cursor and answers. Recycling and the
+  first use of a run (restore) go through the same queue, in a worker thread. A
   failed publish leaves the cursor where it was, so the retry re-issues the same indices
   and event ids (the processor applies each id once). Hence the groups handed out are
   always a gap-free prefix `0..next_group_index-1`, each one's event acknowledged.
@@ -29,6 +31,7 @@ write-ahead log; the Delta table `prompt_cursor` is a checkpoint of it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -45,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from kafka import TopicPartition
 from kafka.errors import KafkaError
+from starlette.concurrency import run_in_threadpool
 
 from gateway.datasets import DATASET_NAME, DatasetStore
 from gateway.errors import ApiError
@@ -147,6 +151,10 @@ class _Cached:
         self._at = 0.0
         self._refreshing = threading.Lock()
 
+    @property
+    def loaded(self) -> bool:
+        return self._value is not None
+
     def get(self) -> Any:
         if self._value is None:
             self._value, self._at = self._load(), time.monotonic()
@@ -170,22 +178,32 @@ class _Cached:
 class _Request:
     """One caller waiting in a run's queue."""
 
-    count: int
-    step: int | None
-    done: bool = False
-    result: Any = None
-    error: Exception | None = None
+    kind: Literal["serve", "recycle", "cursor"]
+    future: asyncio.Future[dict[str, Any]]
+    count: int = 0
+    step: int | None = None
+    groups: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Prepared:
+    after: Cursor
+    records: list[tuple[str, bytes, bytes]]
+    answers: list[tuple[_Request, list[dict[str, Any]]]]
+    issued: list[tuple[int, int]]
 
 
 @dataclass
 class _RunState:
-    # `lock` guards the cursor; `checkpoint_lock` serialises checkpoint writers and is
-    # always taken before `lock`, never while holding it.
+    # The run's drain task is the only writer of the cursor; `lock` makes each change
+    # atomic for the checkpoint thread, whose `checkpoint_lock` serialises checkpoint
+    # writers and is always taken before `lock`, never while holding it.
     lock: threading.Lock = field(default_factory=threading.Lock)
     checkpoint_lock: threading.Lock = field(default_factory=threading.Lock)
-    queue_lock: threading.Lock = field(default_factory=threading.Lock)
     queue: list[_Request] = field(default_factory=list)
+    draining: bool = False
     cursor: Cursor | None = None  # acknowledged state; None until restored
+    rows: pa.Table | None = None  # the dataset version being served
     saved: Cursor | None = None  # the last checkpoint
     saved_at: float = 0.0
     unsaved: list[tuple[int, int]] = field(default_factory=list)  # (group, row) since `saved`
@@ -217,32 +235,15 @@ class PromptService:
                                         name="prompt-checkpoints", daemon=True)
         self._thread.start()
 
-    def serve(self, run_id: str, count: int, step: int | None) -> dict[str, Any]:
-        return self._submit(run_id, _Request(count=count, step=step))
+    async def serve(self, run_id: str, count: int, step: int | None) -> dict[str, Any]:
+        return await self._submit(run_id, "serve", count=count, step=step)
 
-    def recycle(self, run_id: str, group_indices: list[int]) -> dict[str, Any]:
+    async def recycle(self, run_id: str, group_indices: list[int]) -> dict[str, Any]:
         """Append issued groups to the recycle FIFO; durable (a checkpoint) before it returns."""
-        state = self._state(run_id)
-        with state.checkpoint_lock, state.lock:
-            cursor = self._current(run_id, state)
-            known = self._issued_rows(run_id, state)
-            unknown = [g for g in group_indices if g not in known]
-            if unknown:
-                raise ApiError(404, f"groups {unknown[:10]} of run {run_id!r} were not issued by "
-                                    "this gateway, so they cannot be recycled")
-            fresh = [g for g in dict.fromkeys(group_indices) if g not in cursor.recycle_groups]
-            after = replace(cursor,
-                            recycle_rows=cursor.recycle_rows + tuple(known[g] for g in fresh),
-                            recycle_groups=cursor.recycle_groups + tuple(fresh))
-            self._save(run_id, state, after)
-            return {"run_id": run_id, "cursor": _describe(state.cursor)}
+        return await self._submit(run_id, "recycle", groups=group_indices)
 
-    def cursor(self, run_id: str) -> dict[str, Any]:
-        state = self._state(run_id)
-        with state.lock:
-            if state.cursor is None and not state.fenced and self._load(run_id) is None:
-                raise ApiError(404, f"run {run_id!r} has not been served any prompts yet")
-            return _describe(self._current(run_id, state))
+    async def cursor(self, run_id: str) -> dict[str, Any]:
+        return await self._submit(run_id, "cursor")
 
     def checkpoint(self, run_id: str) -> None:
         """Write the run's cursor to Delta if it moved since the last checkpoint."""
@@ -279,25 +280,97 @@ class PromptService:
         with self._guard:
             return self._states.setdefault(run_id, _RunState())
 
-    def _submit(self, run_id: str, request: _Request) -> dict[str, Any]:
+    async def _submit(self, run_id: str, kind: Literal["serve", "recycle", "cursor"],
+                      **fields: Any) -> dict[str, Any]:
         state = self._state(run_id)
-        with state.queue_lock:
-            state.queue.append(request)
-        with state.lock:
-            if not request.done:  # nobody took it yet: lead a batch of everything queued
-                with state.queue_lock:
-                    batch, state.queue = state.queue, []
-                try:
-                    self._process(run_id, state, batch)
-                except Exception as err:  # every waiter of the batch must get the failure
-                    for waiting in batch:
-                        if not waiting.done:
-                            waiting.error, waiting.done = err, True
-        if request.error is not None:
-            raise request.error
+        request = _Request(kind, asyncio.get_running_loop().create_future(), **fields)
+        state.queue.append(request)
+        if not state.draining:
+            state.draining = True
+            asyncio.get_running_loop().create_task(self._drain(run_id, state))
+        return await request.future
+
+    async def _drain(self, run_id: str, state: _RunState) -> None:
+        """The run's single cursor writer: serves everything queued, in arrival order, with
+        consecutive serves as one batch; runs until the queue is empty."""
+        try:
+            while state.queue:
+                queued, state.queue = state.queue, []
+                while queued:
+                    n = 1
+                    if queued[0].kind == "serve":
+                        while n < len(queued) and queued[n].kind == "serve":
+                            n += 1
+                    batch, queued = queued[:n], queued[n:]
+                    try:
+                        if batch[0].kind == "serve":
+                            await self._serve_batch(run_id, state, batch)
+                        elif batch[0].kind == "recycle":
+                            _answer(batch[0], await run_in_threadpool(
+                                self._recycle, run_id, state, batch[0].groups))
+                        else:
+                            _answer(batch[0], await self._describe(run_id, state))
+                    except Exception as err:  # every waiter of the batch gets the failure
+                        for request in batch:
+                            if not request.future.done():
+                                request.future.set_exception(err)
+        finally:
+            state.draining = False
         if len(state.unsaved) >= self.checkpoint_groups:
             self._wake.set()
-        return request.result
+
+    def _warm(self, state: _RunState, batch: list[_Request]) -> bool:
+        """Whether preparing `batch` needs no I/O (else it runs in a worker thread)."""
+        return (state.cursor is not None and state.rows is not None and not state.fenced
+                and state.info is not None and state.info.loaded
+                and (all(r.step is not None for r in batch)
+                     or (state.steps is not None and state.steps.loaded)))
+
+    async def _serve_batch(self, run_id: str, state: _RunState, batch: list[_Request]) -> None:
+        if self._warm(state, batch):
+            prepared = self._prepare(run_id, state, batch)
+        else:
+            prepared = await run_in_threadpool(self._prepare, run_id, state, batch)
+        acks = await self.producer.send_async(prepared.records)
+        # Acknowledged (acks=all): only now do the groups count as issued.
+        with state.lock:
+            assert state.cursor is not None
+            state.cursor = replace(prepared.after, seq=state.cursor.seq)
+            for ack in acks:
+                if ack.offset + 1 > state.wal_offsets.get(ack.partition, 0):
+                    state.wal_offsets[ack.partition] = ack.offset + 1
+            state.unsaved.extend(prepared.issued)
+            state.recent_rows.update(prepared.issued)
+            described = _describe(state.cursor)
+        for request, out in prepared.answers:
+            _answer(request, {"run_id": run_id, "groups": out, "cursor": described})
+
+    async def _describe(self, run_id: str, state: _RunState) -> dict[str, Any]:
+        if state.cursor is None or state.fenced:
+            def restore() -> None:
+                with state.lock:
+                    if state.cursor is None and not state.fenced and self._load(run_id) is None:
+                        raise ApiError(404, f"run {run_id!r} has not been served any prompts yet")
+                    self._current(run_id, state)
+            await run_in_threadpool(restore)
+        assert state.cursor is not None
+        return _describe(state.cursor)
+
+    def _recycle(self, run_id: str, state: _RunState, group_indices: list[int]) -> dict[str, Any]:
+        with state.checkpoint_lock, state.lock:
+            cursor = self._current(run_id, state)
+            known = self._issued_rows(run_id, state)
+            unknown = [g for g in group_indices if g not in known]
+            if unknown:
+                raise ApiError(404, f"groups {unknown[:10]} of run {run_id!r} were not issued by "
+                                    "this gateway, so they cannot be recycled")
+            fresh = [g for g in dict.fromkeys(group_indices) if g not in cursor.recycle_groups]
+            after = replace(cursor,
+                            recycle_rows=cursor.recycle_rows + tuple(known[g] for g in fresh),
+                            recycle_groups=cursor.recycle_groups + tuple(fresh))
+            self._save(run_id, state, after)
+            assert state.cursor is not None
+            return {"run_id": run_id, "cursor": _describe(state.cursor)}
 
     def _info(self, run_id: str, state: _RunState) -> RunInfo:
         if state.info is None:
@@ -317,10 +390,14 @@ class PromptService:
                 STEPS_TTL_S)
         return state.steps.get()
 
-    def _process(self, run_id: str, state: _RunState, batch: list[_Request]) -> None:
+    def _prepare(self, run_id: str, state: _RunState, batch: list[_Request]) -> _Prepared:
+        """The batch's groups, events and answers from a copy of the cursor (no change yet)."""
         info = self._info(run_id, state)
-        cursor = self._current(run_id, state)
-        rows = self.datasets.rows(cursor.dataset, cursor.dataset_version)
+        with state.lock:
+            cursor = self._current(run_id, state)
+        rows = state.rows
+        if rows is None:
+            rows = state.rows = self.datasets.rows(cursor.dataset, cursor.dataset_version)
         step_now: int | None = None
         served: list[tuple[_Request, list[Issued], int]] = []
         for request in batch:
@@ -353,19 +430,8 @@ class PromptService:
                                 event_group_key(run_id, item.group_index), encode_event(event)))
                 out.append({**group, "epoch": item.epoch, "recycled_from": item.recycled_from})
             answers.append((request, out))
-        acks = self.producer.send(records)
-        # Acknowledged (acks=all): only now do the groups count as issued.
-        state.cursor = cursor
-        for ack in acks:
-            if ack.offset + 1 > state.wal_offsets.get(ack.partition, 0):
-                state.wal_offsets[ack.partition] = ack.offset + 1
-        issued_now = [(i.group_index, i.row) for _, issued, _ in served for i in issued]
-        state.unsaved.extend(issued_now)
-        state.recent_rows.update(issued_now)
-        described = _describe(cursor)
-        for request, out in answers:
-            request.result = {"run_id": run_id, "groups": out, "cursor": described}
-            request.done = True
+        issued_all = [(i.group_index, i.row) for _, issued, _ in served for i in issued]
+        return _Prepared(cursor, records, answers, issued_all)
 
     # -- restore -------------------------------------------------------------------------
 
@@ -403,6 +469,7 @@ class PromptService:
                                     f"{sorted(logged[item.group_index])}, the replay gives row "
                                     f"{item.row}")
         state.cursor, state.saved, state.saved_at = cursor, saved, time.monotonic()
+        state.rows = None
         state.unsaved = [(i.group_index, i.row) for i in issued]
         state.recent_rows = dict(state.unsaved)
         state.past_rows = None
@@ -592,8 +659,13 @@ class PromptService:
                     log.warning("prompt-cursor checkpoint of run %s failed: %s", run_id, err)
 
 
+def _answer(request: _Request, result: dict[str, Any]) -> None:
+    if not request.future.done():  # a caller that went away (cancelled) loses its groups
+        request.future.set_result(result)
+
+
 def _forget(state: _RunState) -> None:
-    state.cursor = state.saved = state.past_rows = None
+    state.cursor = state.saved = state.past_rows = state.rows = None
     state.unsaved, state.recent_rows, state.wal_offsets = [], {}, {}
     state.fenced = False
 

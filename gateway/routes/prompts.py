@@ -7,7 +7,6 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import INT64_MAX, ConfigDep, MetricsDep, PromptsDep, ReadRun, RunIdPath, WriteRun
 from gateway.errors import ApiError
@@ -87,7 +86,7 @@ async def serve_prompts(
                             f"{config.max_prompts_per_request} groups per request")
     # The service builds the answer from validated events: encode it directly (orjson),
     # without a second pydantic pass; `response_model` still documents it.
-    batch = await run_in_threadpool(prompts.serve, run_id, count, step)
+    batch = await prompts.serve(run_id, count, step)
     metrics.prompts_served.inc(len(batch["groups"]))
     return Response(orjson.dumps(batch), media_type="application/json")
 
@@ -98,11 +97,11 @@ async def recycle_prompts(run_id: RunIdPath, body: RecycleRequest, _: WriteRun,
     """Put issued groups back (partial rollout): their prompts are served again first, as
     new groups, before the dataset continues. Checkpointed to Delta before the answer."""
     return RecycleResult.model_validate(
-        await run_in_threadpool(prompts.recycle, run_id, body.group_indices))
+        await prompts.recycle(run_id, body.group_indices))
 
 
 @router.get("/v1/runs/{run_id}/prompts/cursor",
             responses={404: {"description": "No prompt served for this run yet."}})
 async def get_prompt_cursor(run_id: RunIdPath, _: ReadRun, prompts: PromptsDep) -> PromptCursor:
     """Where the run's prompt stream stands: epoch, offset, next group index, recycle FIFO."""
-    return PromptCursor.model_validate(await run_in_threadpool(prompts.cursor, run_id))
+    return PromptCursor.model_validate(await prompts.cursor(run_id))
