@@ -1,13 +1,23 @@
 """Gateway ingest and prompt-serving benchmark against a real broker, lake and server.
 
-    .venv/bin/python bench/gateway.py [--seconds-per-case 5]
+    .venv/bin/python bench/gateway.py [--requests N] [--prompt-seconds 10] [--skip-ingest]
 
 1. Events/s and p99 latency of `POST /v1/events` with batches of 1, 16 and 256 realistic
    samples (512 prompt + 1024 response tokens with log-probs), side by side with
    publishing the same events through the SDK (`RolloutPublisher.publish` + `flush` per
    batch, the SDK's own ack-per-batch equivalent). One sequential client each, so the
    ratio compares the paths, not the parallelism.
-2. p50/p99 of `POST /v1/runs/{run}/prompts?count=1` with 100 concurrent requests.
+2. `POST /v1/runs/{run}/prompts?count=1` (default `step`) from 100 concurrent clients on
+   keep-alive connections, in two modes printed side by side:
+   (a) paced: each client sends on a fixed schedule (think time between requests) so the
+       aggregate rate is `--prompt-rate` (200 req/s), below saturation. Latency counts
+       from the *scheduled* send time, so a late send (the client still waiting for its
+       previous answer) is charged to the server, not hidden (no coordinated omission).
+   (b) closed loop: every client sends its next request as soon as the previous one is
+       answered; this measures saturation throughput, and its latency is queueing
+       (Little's law: latency = clients / throughput).
+   The load generator is a minimal asyncio HTTP/1.1 client, so its own CPU stays small
+   next to the server's (they share the machine, with the broker).
 
 The gateway runs as `rolloutlake gateway` in its own process, as deployed.
 """
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -87,22 +98,70 @@ def bench_gateway(url: str, work: list[list[dict]]) -> tuple[float, float]:
     return summarize(latencies, sum(map(len, work)), elapsed)
 
 
-async def bench_prompts(url: str, run_id: str, concurrency: int, rounds: int) -> list[float]:
+class _Connection:
+    """One keep-alive HTTP/1.1 connection that POSTs without a body (a few µs per request,
+    unlike a full client library, so the generator does not eat the server's CPU)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Connection:
+        reader, writer = await asyncio.open_connection(host, port)
+        return cls(reader, writer, host)
+
+    async def post(self, path: str) -> tuple[int, bytes]:
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+                          "Content-Length: 0\r\n\r\n".encode())
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def bench_prompts(url: str, run_id: str, concurrency: int, seconds: float,
+                        rate: float | None) -> dict[str, float]:
+    """`concurrency` clients for `seconds`: paced at `rate` req/s in all, or closed loop."""
+    host, port = url.removeprefix("http://").split(":")
+    path = f"/v1/runs/{run_id}/prompts?count=1"
+    conns = [await _Connection.open(host, int(port)) for _ in range(concurrency)]
+    for conn in conns:  # warm every connection (and the run's cursor) before timing
+        assert (await conn.post(path))[0] == 200
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    errors = 0
+    # The generator's own GC pauses would be charged to the server (see the paced clock).
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    start = time.perf_counter() + 0.1
+    stop = start + seconds
 
-        async def worker() -> None:
-            for _ in range(rounds):
-                t = time.perf_counter()
-                response = await client.post(f"/v1/runs/{run_id}/prompts",
-                                             params={"count": 1, "step": 0})
-                latencies.append(time.perf_counter() - t)
-                response.raise_for_status()
+    async def client(k: int, conn: _Connection) -> None:
+        nonlocal errors
+        period = concurrency / rate if rate else 0.0
+        due = start + k * period / concurrency
+        while due < stop:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            sent = due if rate else time.perf_counter()
+            status, _ = await conn.post(path)
+            latencies.append(time.perf_counter() - sent)
+            errors += status != 200
+            due = due + period if rate else time.perf_counter()
 
-        await client.post(f"/v1/runs/{run_id}/prompts", params={"count": 1, "step": 0})
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
+    await asyncio.gather(*(client(k, conn) for k, conn in enumerate(conns)))
+    elapsed = time.perf_counter() - start
+    gc.enable()
+    for conn in conns:
+        conn.close()
+    ms = np.array(latencies) * 1000
+    return {"requests": len(ms), "rate": len(ms) / elapsed, "p50": np.percentile(ms, 50),
+            "p99": np.percentile(ms, 99), "max": ms.max(), "errors": errors}
 
 
 def wait_ready(url: str, process: subprocess.Popen) -> None:
@@ -123,7 +182,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0,
                         help="batches per case (default: about 2,000 events per case)")
     parser.add_argument("--concurrency", type=int, default=100)
-    parser.add_argument("--prompt-rounds", type=int, default=10)
+    parser.add_argument("--prompt-seconds", type=float, default=10.0,
+                        help="duration of each prompt-serving mode")
+    parser.add_argument("--prompt-rate", type=float, default=200.0,
+                        help="aggregate request rate of the paced mode (req/s)")
+    parser.add_argument("--skip-ingest", action="store_true",
+                        help="only the prompt-serving part")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     with EmbeddedBroker(free_port()) as broker:
@@ -143,7 +207,7 @@ def main() -> None:
             wait_ready(url, gateway)
             print(f"{'batch':>6} | {'SDK ev/s':>9} {'SDK p99 ms':>10} | "
                   f"{'GW ev/s':>9} {'GW p99 ms':>10} | {'GW/SDK':>6}")
-            for size in BATCHES:
+            for size in () if args.skip_ingest else BATCHES:
                 count = args.requests or max(8, 2048 // size)
                 sdk = bench_sdk(kafka, batches(size, count))
                 gw = bench_gateway(url, batches(size, count))
@@ -155,11 +219,17 @@ def main() -> None:
             run_id = f"bench-{uuid.uuid4().hex[:6]}"
             httpx.post(f"{url}/v1/runs", json={"run_id": run_id, "dataset": "bench", "config": {
                 "n_samples_per_prompt": 8, "rollout_batch_size": 32}}).raise_for_status()
-            latencies = asyncio.run(bench_prompts(url, run_id, args.concurrency,
-                                                  args.prompt_rounds))
-            ms = np.array(latencies) * 1000
-            print(f"prompts: {len(ms)} requests at {args.concurrency} concurrent: "
-                  f"p50 {np.percentile(ms, 50):.1f} ms  p99 {np.percentile(ms, 99):.1f} ms")
+            modes = [(f"(a) paced {args.prompt_rate:.0f} req/s", args.prompt_rate),
+                     ("(b) closed loop", None)]
+            print(f"\nprompts, count=1, {args.concurrency} clients, {args.prompt_seconds:.0f} s "
+                  "per mode")
+            print(f"{'mode':<22} | {'requests':>8} {'req/s':>7} | {'p50 ms':>7} {'p99 ms':>7} "
+                  f"{'max ms':>7} | {'errors':>6}")
+            for name, rate in modes:
+                r = asyncio.run(bench_prompts(url, run_id, args.concurrency,
+                                              args.prompt_seconds, rate))
+                print(f"{name:<22} | {r['requests']:>8} {r['rate']:>7.0f} | {r['p50']:>7.1f} "
+                      f"{r['p99']:>7.1f} {r['max']:>7.1f} | {r['errors']:>6}")
         finally:
             gateway.terminate()
             gateway.wait(timeout=30)
