@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
 
@@ -73,6 +74,9 @@ class DecidedGroup:
     fragments: pa.Table  # FRAGMENTS rows, in Miles order (rollouts, then fragment index)
 
 
+_NO_TOKENS = np.zeros(0, np.int8)
+
+
 def _json_or_none(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value).decode()
 
@@ -80,6 +84,8 @@ def _json_or_none(value: Any) -> str | None:
 def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) -> pa.Table:
     """Flatten a group into FRAGMENTS rows; token columns stay empty when not needed."""
     cols: dict[str, list[Any]] = {name: [] for name in FRAGMENTS.names}
+    # Masks are mostly absent (all ones): build that column from numpy, not Python lists.
+    masks: list[np.ndarray] = []
 
     def add(rollout, index, fragment) -> None:
         cols["rollout_id"].append(rollout.rollout_id)
@@ -96,24 +102,27 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
         meta = dict(rollout.metadata)
         if fragment is None:
             length = effective = int(meta.get("partial_response_length", 0))
-            prompt = response = mask = []
+            prompt = response = []
+            mask = _NO_TOKENS
             log_probs = None
         else:
             meta = {**fragment.metadata, **meta} if fragment.metadata else meta
             length, effective = fragment.response_length, fragment.effective_response_length
             if with_tokens:
                 prompt, response = fragment.prompt_tokens, fragment.response_tokens
-                mask = fragment.loss_mask if fragment.loss_mask is not None else [1] * length
+                mask = (np.ones(length, np.int8) if fragment.loss_mask is None
+                        else np.asarray(fragment.loss_mask, np.int8))
                 log_probs = fragment.rollout_log_probs
             else:
-                prompt = response = mask = []
+                prompt = response = []
+                mask = _NO_TOKENS
                 log_probs = None
         cols["response_length"].append(length)
         cols["effective_length"].append(effective)
         cols["metadata_json"].append(_json_or_none(meta) if meta else None)
         cols["prompt_tokens"].append(prompt)
         cols["response_tokens"].append(response)
-        cols["loss_mask"].append(mask)
+        masks.append(mask)
         cols["rollout_log_probs"].append(log_probs)
 
     for rollout in group.ordered_rollouts():
@@ -122,7 +131,12 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
             add(rollout, 0, None)
         for fragment in fragments:
             add(rollout, fragment.fragment_index, fragment)
-    return pa.table(cols, schema=FRAGMENTS)
+    offsets = np.zeros(len(masks) + 1, np.int32)
+    np.cumsum([len(m) for m in masks], out=offsets[1:])
+    flat = np.concatenate(masks) if masks else _NO_TOKENS
+    columns = {name: values for name, values in cols.items() if name != "loss_mask"}
+    columns["loss_mask"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int8()))
+    return pa.table(columns, schema=FRAGMENTS)
 
 
 def header_for(group: Group, verdict: FilterVerdict, *, decided_at: float,
