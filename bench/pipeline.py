@@ -131,6 +131,20 @@ class Watcher(threading.Thread):
             time.sleep(0.01)
 
 
+def _warm_up(pub: RolloutPublisher, lake_root: str) -> None:
+    """Seal a one-group run first, so timing starts with both stages up and joined."""
+    pub.run_started("warmup", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
+    pub.group_started("warmup", group_index=0, step=0, n_samples=2)
+    for rollout, reward in ((0, 1.0), (1, 0.0)):
+        pub.sample_finished("warmup", group_index=0, rollout_id=rollout, status="completed",
+                            prompt_tokens=[1], response_tokens=[2], reward=reward)
+    pub.flush()
+    tail = TableTail(Lake(lake_root), "steps", "warmup", ["step"])
+    deadline = time.monotonic() + 120
+    while not tail.poll() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def run_pipeline(kafka: KafkaSettings, sim: SimulationConfig, groups: list[list[bytes]],
                  lake_root: str, pace_s: float, expect_steps: int) -> tuple[float, dict, Watcher]:
     kafka.ensure_topics()
@@ -139,8 +153,7 @@ def run_pipeline(kafka: KafkaSettings, sim: SimulationConfig, groups: list[list[
     sent_at: dict[int, float] = {}
     with RolloutPublisher(kafka) as pub:
         pub.run_started(sim.run_id, sim.run_config())
-        pub.flush()
-        time.sleep(6.0)  # let the processor join its consumer groups before timing
+        _warm_up(pub, lake_root)
         watcher.start()
         start = time.perf_counter()
         for index, events in enumerate(groups):
@@ -191,7 +204,8 @@ def main() -> None:
         bare_s = bench_bare_kafka(settings("bare."), groups)
         pipe_s, _, watcher = run_pipeline(settings("pipe."), sim, groups, str(folder / "lake"),
                                           pace_s=0.0, expect_steps=args.steps)
-        sealed = Lake(str(folder / "lake")).read("steps", columns=["n_tokens"])
+        sealed = Lake(str(folder / "lake")).read("steps", columns=["n_tokens"],
+                                              filter=pc.field("run_id") == sim.run_id)
         steps = sealed.num_rows
         paced = sim.model_copy(update={"steps": args.latency_steps, "seed": 4})
         _, sent_at, lat = run_pipeline(settings("lat."), paced, stream(paced),

@@ -244,10 +244,15 @@ def _batch_order(group: DecidedGroup) -> tuple[int, int]:
     return first, group.header.group_index
 
 
+_METRIC_COLUMNS = ["rollout_id", "sample_index", "reward_json", "response_length",
+                   "effective_length", "status", "metadata_json"]
+
+
 def _metric_rows(members: list[DecidedGroup]) -> list[MetricRow]:
     rows = []
     for member in members:
-        f = member.fragments.to_pydict()
+        # Only the scalar columns: converting the token lists to Python would dominate.
+        f = member.fragments.select(_METRIC_COLUMNS).to_pydict()
         for i in range(member.fragments.num_rows):
             rows.append(
                 MetricRow(
