@@ -92,16 +92,8 @@ class BatchStage(Stage):
 
     # -- the loop --------------------------------------------------------------------------
 
-    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
-        pending = _Pending()
-        count = 0
-        for tp, records in polled.items():
-            for record in records:
-                self._handle(record, pending)
-                pending.last_offset[tp.partition] = record.offset
-            count += len(records)
-        self._commit(pending)
-        return count
+    def _new_batch(self) -> _Pending:
+        return _Pending()
 
     def _batcher(self, run_id: str, partition: int) -> RunBatcher | None:
         config = self.runs.get(run_id)

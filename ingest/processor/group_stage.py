@@ -171,18 +171,8 @@ class GroupStage(Stage):
 
     # -- the loop --------------------------------------------------------------------------
 
-    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
-        batch = _Batch()
-        count = 0
-        for tp, records in polled.items():
-            for record in records:
-                self._handle(record, batch)
-                batch.last_offset[tp.partition] = record.offset
-            count += len(records)
-        self._decide_waiting(batch)
-        self._expire(time.time(), batch)
-        self._commit(batch)
-        return count
+    def _new_batch(self) -> _Batch:
+        return _Batch()
 
     def _handle(self, record: Any, batch: _Batch) -> None:
         partition, offset = record.partition, record.offset
@@ -311,6 +301,8 @@ class GroupStage(Stage):
             self._runs_recorded.update(marks)
 
     def _commit(self, batch: _Batch) -> None:
+        self._decide_waiting(batch)
+        self._expire(time.time(), batch)
         self._archive_runs()
         topic = self.topics.events
         marks = [TxnMark(app_id("dead_letters", topic, p), o) for p, o in batch.last_offset.items()]

@@ -18,7 +18,7 @@ from ingest.processor.io import DeadLetters, RunRegistry
 
 
 class Stage(ConsumerRebalanceListener):
-    """Subclasses implement `_take_over`, `_release` and `_process`."""
+    """Subclasses implement `_take_over`, `_release`, `_new_batch`, `_handle`, `_commit`."""
 
     def __init__(self, config: ProcessorConfig, lake: Lake, *, topic: str, role: str):
         self.config = config
@@ -58,7 +58,14 @@ class Stage(ConsumerRebalanceListener):
             self.last_activity = time.monotonic()
             # Records fetched before the seek come again from the new position.
             polled = {tp: r for tp, r in polled.items() if tp not in assigned}
-        count = self._process(polled)
+        batch = self._new_batch()
+        count = 0
+        for tp, records in polled.items():
+            for record in records:
+                self._handle(record, batch)
+                batch.last_offset[tp.partition] = record.offset
+            count += len(records)
+        self._commit(batch)
         if count:
             self.last_activity = time.monotonic()
         return count
@@ -79,5 +86,12 @@ class Stage(ConsumerRebalanceListener):
     def _release(self, partitions: set[int]) -> None:
         raise NotImplementedError
 
-    def _process(self, polled: dict[TopicPartition, list[Any]]) -> int:
+    def _new_batch(self) -> Any:
+        """An empty batch of this poll's outputs, with a `last_offset` dict per partition."""
+        raise NotImplementedError
+
+    def _handle(self, record: Any, batch: Any) -> None:
+        raise NotImplementedError
+
+    def _commit(self, batch: Any) -> None:
         raise NotImplementedError
