@@ -85,6 +85,7 @@ class BatchStage(Stage):
                 self.recorded[(table, tp.partition)] = self.lake.txn_version(
                     table, app_id(table, tp.topic, tp.partition)
                 )
+            self.check_continuity(tp, self._recorded("groups", tp.partition))
             # Replay from the start: the state machine rebuilds exactly, tables skip rows
             # they already hold.
             self.consumer.seek(tp, 0)

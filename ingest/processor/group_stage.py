@@ -129,6 +129,7 @@ class GroupStage(Stage):
                 self.dead.add((run_id, group_index))
         for tp in sorted(assigned, key=lambda t: t.partition):
             recorded = self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
+            self.check_continuity(tp, recorded)
             self.recorded[tp.partition] = recorded
             self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
             self._rebuild(tp.partition)

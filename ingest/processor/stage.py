@@ -15,6 +15,7 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from ingest.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.io import DeadLetters, RunRegistry
+from schemas.errors import RolloutlakeError
 
 
 class Stage(ConsumerRebalanceListener):
@@ -69,6 +70,23 @@ class Stage(ConsumerRebalanceListener):
         if count:
             self.last_activity = time.monotonic()
         return count
+
+    def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
+        """Refuse to resume a partition that is empty although the lake has consumed it.
+
+        That happens when the topic was recreated (a restarted memory broker): its offsets
+        start again at 0, below what the lake recorded, and resuming would skip every new
+        message as already processed.
+        """
+        if recorded is None:
+            return
+        end = self.consumer.end_offsets([tp])[tp]
+        if end == 0:
+            raise RolloutlakeError(
+                f"{tp.topic}[{tp.partition}] is empty but {self.lake.root} already holds it up "
+                f"to offset {recorded}: the topic was recreated (a restarted in-memory "
+                "broker?). Use a fresh lake or another --topic-prefix."
+            )
 
     @property
     def idle(self) -> bool:

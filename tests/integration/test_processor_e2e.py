@@ -198,3 +198,24 @@ def test_every_table_holds_each_key_once(scenario):
         table = scenario.read(spec.name, columns=list(spec.key))
         keys = list(zip(*(table.column(c).to_pylist() for c in spec.key), strict=True))
         assert len(keys) == len(set(keys)), spec.name
+
+
+def test_a_recreated_topic_is_refused_not_skipped(broker, tmp_path):
+    """A lake that consumed a topic refuses the same topic recreated empty (memory broker
+    restarted): resuming would skip every new event as already processed."""
+    from ingest.broker import EmbeddedBroker, free_port
+    from ingest.kafka_io import KafkaSettings
+    from schemas.errors import RolloutlakeError
+
+    def settings(bootstrap: str) -> KafkaSettings:
+        kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix="recreated.",
+                              event_partitions=1, decision_partitions=1)
+        kafka.ensure_topics()
+        return kafka
+
+    first = settings(broker.bootstrap_servers)
+    publish(first, "r", DAPO, [started("r", 0), sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
+    run_processor(first, str(tmp_path), idle_s=1.0)
+    with EmbeddedBroker(free_port()) as restarted:
+        with pytest.raises(RolloutlakeError, match="the topic was recreated"):
+            run_processor(settings(restarted.bootstrap_servers), str(tmp_path), idle_s=1.0)
