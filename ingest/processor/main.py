@@ -203,8 +203,9 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid processor setting {field}: {first['msg']}") from None
+        field = str(first["loc"][-1])
+        flag = "--until-idle" if field == "until_idle_s" else "--" + field.replace("_", "-")
+        raise ConfigError(f"{flag}: {first['msg']}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,15 @@ def test_bad_flag_is_one_line():
                                                                    "--bogus"))
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--until-idle", "0"], "rolloutlake process: --until-idle: Input should be greater than 0"),
+    (["--event-partitions", "0"],
+     "rolloutlake process: --event-partitions: Input should be greater than or equal to 1"),
+])
+def test_invalid_processor_setting_names_the_flag(tmp_path, flags, expected):
+    assert one_line_error(cli("process", "--lake", str(tmp_path), *flags)) == expected
+
+
 def test_unreachable_broker_is_one_line(tmp_path):
     line = one_line_error(cli("process", "--bootstrap-servers", "127.0.0.1:1", "--lake",
                               str(tmp_path)))
