@@ -4,8 +4,8 @@
 decisions give the same batches, byte for byte, which is what makes restarts exact. It
 returns rows to write; it never writes.
 
-Step metrics are written when a step *closes*, not when it seals: a step closes when a
-later step of the run seals (or the processor flushes on shutdown). By then the groups
+Step metrics are written when a step *closes*, not when it seals: a sealed step closes
+once a later step of the run has sealed (or the processor flushes on shutdown). By then the groups
 cancelled at the seal and the surplus that finished after it have been decided, so the
 bias-aware counts of a step describe that step.
 """
@@ -203,7 +203,10 @@ class RunBatcher:
                 advantage_estimator=self.config.advantage_estimator,
             )
         effects = Effects(sealed=[sealed])
-        earlier = [s for s in self.sealed if s < step and s not in self.closed]
+        # A sealed step closes once any later step has sealed; steps may seal out of order
+        # (kept groups of several steps in flight), so compare with the latest seal.
+        latest = max(self.sealed)
+        earlier = [s for s in self.sealed if s < latest and s not in self.closed]
         effects.closed.extend(self._close(s) for s in sorted(earlier))
         return effects
 

@@ -7,15 +7,22 @@ screenshot as artifacts/dashboard.png.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from ingest.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.main import Processor
+from ingest.publisher import RolloutPublisher
+from ingest.simulate import SimulationConfig, open_loop_groups
+from schemas.events import event_group_key
 from tests.integration.metric_fixtures import READER_TOKEN, gateway, write_steps
 
 RUN, OTHER = "dapo-live", "dapo-seed2"
@@ -127,3 +134,47 @@ def test_index_lists_runs_and_asks_for_a_token_when_missing(kafka, lake_root, tm
         assert link.text == RUN
         link.click()
         wait_for(browser, f"window.dash && window.dash.stats.steps['{RUN}'] === 2")
+
+
+def _publish_steps(kafka, sim: SimulationConfig, steps: range) -> None:
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(sim.run_id, sim.run_config(), event_id=f"{sim.run_id}-run")
+        for group in open_loop_groups(sim):
+            if group.step in steps:
+                for body in group.events:
+                    pub.send_raw(pub.topics.events,
+                                 event_group_key(sim.run_id, body["group_index"]),
+                                 orjson.dumps(body))
+
+
+def test_dashboard_follows_a_simulated_run_through_the_processor(kafka, lake_root, tmp_path,
+                                                                 browser):
+    sim = SimulationConfig(run_id="sim-live", steps=6, rollout_batch_size=4, n_samples=4,
+                           response_len_mean=32, prompt_len=8, mode="open", seed=5)
+    processor = Processor(ProcessorConfig(kafka=kafka, lake=lake_root))
+    thread = threading.Thread(target=processor.run, daemon=True)
+    thread.start()
+    try:
+        _publish_steps(kafka, sim, range(0, 3))
+        with gateway(kafka, lake_root, tmp_path) as server:
+            browser.get(f"{server.url}/runs/{sim.run_id}?token={READER_TOKEN}")
+            # Steps 0 and 1 closed when step 2 sealed: their metrics are on the page.
+            try:
+                wait_for(browser, f"window.dash.stats.steps['{sim.run_id}'] === 1", timeout=90)
+            except AssertionError:
+                lake = Lake(lake_root)
+                raise AssertionError(
+                    f"errors={processor.errors} steps={lake.read('steps').num_rows} "
+                    f"metrics={lake.read('step_metrics').num_rows} "
+                    f"events={lake.read('events').num_rows} "
+                    f"page={browser.execute_script('return window.dash && window.dash.stats')}"
+                ) from None
+            browser.execute_script("window.__not_reloaded = true")
+            _publish_steps(kafka, sim, range(3, 6))
+            wait_for(browser, f"window.dash.stats.steps['{sim.run_id}'] === 4", timeout=90)
+            assert browser.execute_script("return window.__not_reloaded") is True
+            for name in ("groups", "reward"):
+                assert browser.execute_script(INKED_PIXELS, name) > 2000, f"{name} is blank"
+    finally:
+        processor.stop()
+        thread.join()

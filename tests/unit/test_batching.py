@@ -1,0 +1,56 @@
+"""RunBatcher: step assignment, sealing, surplus and when steps close."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from ingest.core.batching import RunBatcher
+from ingest.core.decided import FRAGMENTS, DecidedGroup, DecisionHeader
+from schemas.events import RunConfig
+
+
+def _group(group_index: int, step: int, decision: str = "kept") -> DecidedGroup:
+    rows = [
+        {"rollout_id": r, "sample_index": group_index * 2 + r, "fragment_index": 0,
+         "status": "completed", "abort_reason": None, "reward": float(r),
+         "reward_json": str(float(r)), "weight_version": None, "response_length": 2,
+         "effective_length": 2, "metadata_json": None, "prompt_tokens": [1],
+         "response_tokens": [2, 3], "loss_mask": [1, 1], "rollout_log_probs": None}
+        for r in range(2)
+    ]
+    header = DecisionHeader(run_id="r", group_index=group_index, step=step, n_samples=2,
+                            decision=decision, reason=None, counted=True,
+                            decided_at=float(group_index), first_event_at=0.0)
+    return DecidedGroup(header, pa.Table.from_pylist(rows, schema=FRAGMENTS))
+
+
+def _batcher(**config) -> RunBatcher:
+    return RunBatcher("r", RunConfig(**{"n_samples_per_prompt": 2, "rollout_batch_size": 1,
+                                        **config}))
+
+
+def test_out_of_order_seals_still_close_every_earlier_step():
+    batcher = _batcher()
+    closed = []
+    for group_index, step in ((0, 0), (1, 2), (2, 1), (3, 3)):
+        effects = batcher.offer(_group(group_index, step), now=float(group_index))
+        closed.extend(s for s, _ in effects.closed)
+    assert closed == [0, 1, 2]
+    assert [s for s, _ in batcher.flush().closed] == [3]
+
+
+def test_kept_group_for_a_sealed_step_is_surplus_unless_staleness_allows():
+    strict = _batcher()
+    strict.offer(_group(0, 0), now=0.0)
+    assert strict.offer(_group(1, 0), now=1.0).groups[0]["decision"] == "surplus"
+    stale = _batcher(max_staleness=1)
+    stale.offer(_group(0, 0), now=0.0)
+    row = stale.offer(_group(1, 0), now=1.0).groups[0]
+    assert (row["decision"], row["batch_step"]) == ("kept", 1)
+
+
+def test_a_repeated_decision_changes_nothing():
+    batcher = _batcher(rollout_batch_size=2)
+    assert batcher.offer(_group(0, 0), now=0.0).groups
+    effects = batcher.offer(_group(0, 0), now=1.0)
+    assert not effects.groups and not effects.sealed
