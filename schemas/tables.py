@@ -224,17 +224,22 @@ CONTENT_COLUMNS = tuple(
 
 
 def _column_digest(h: hashlib._Hash, column: pa.ChunkedArray | pa.Array) -> None:
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if pa.types.is_list(arr.type):
-        lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
-        h.update(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
-        values = pc.list_flatten(arr)
-        h.update(
-            np.ascontiguousarray(values.to_numpy(zero_copy_only=False)).astype(
-                values.type.to_pandas_dtype(), copy=False
-            ).tobytes()
-        )
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if pa.types.is_list(column.type):
+        # Chunk by chunk, all lengths then all values: the same bytes as one combined
+        # array, without copying the token lists (hashlib reads numpy buffers in place).
+        for chunk in chunks:
+            lengths = pc.fill_null(pc.list_value_length(chunk), -1).to_numpy(zero_copy_only=False)
+            h.update(np.ascontiguousarray(lengths, dtype="<i8"))
+        for chunk in chunks:
+            values = pc.list_flatten(chunk)
+            h.update(
+                np.ascontiguousarray(values.to_numpy(zero_copy_only=False)).astype(
+                    values.type.to_pandas_dtype(), copy=False
+                )
+            )
         return
+    arr = pa.concat_arrays(chunks) if len(chunks) != 1 else chunks[0]
     valid = arr.is_valid().to_numpy(zero_copy_only=False)
     h.update(np.packbits(valid).tobytes())
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
