@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +141,13 @@ class Lake:
     def version(self, table: str) -> int:
         return self.refresh(table).version()
 
+    def first_version_with(self, table: str, prune: str) -> int | None:
+        """The first version of an append-only table holding rows that match `prune` (a SQL
+        predicate), found by bisection over the versions; None when no version does."""
+        latest = self.version(table)
+        return _first_true(0, latest, lambda v: self.read(table, version=v, prune=prune,
+                                                          columns=[]).num_rows > 0)
+
     def read(
         self,
         table: str,
@@ -183,6 +190,18 @@ def _writer_properties(spec: TableSpec) -> WriterProperties | None:
         return None
     blob = ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
     return WriterProperties(column_properties={name: blob for name in spec.blob_columns})
+
+
+def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int | None:
+    """The smallest v in [lo, hi] with test(v), for a test that stays true once true."""
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if test(mid):
+            found, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def _is_newer(recorded: int | None, version: int) -> bool:

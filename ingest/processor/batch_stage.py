@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from kafka import TopicPartition
 
 from ingest.core.batching import Effects, RunBatcher
@@ -29,6 +28,7 @@ from ingest.processor.decisions import decision_header, decode_fragments, opened
 from ingest.processor.io import app_id, utc_micros
 from ingest.processor.stage import Stage
 from schemas.control import StepSealed
+from schemas.errors import RolloutlakeError
 from schemas.tables import GROUPS, STEP_METRICS, STEPS
 
 log = logging.getLogger(__name__)
@@ -243,15 +243,14 @@ class BatchStage(Stage):
 
     def _find_batch_version(self, run_id: str, step: int) -> int:
         """The training_batches version holding a step written before a restart."""
-        dt = self.lake.refresh("training_batches")
-        for version in range(dt.version(), -1, -1):
-            rows = self.lake.read(
-                "training_batches", version=version, columns=["position"],
-                filter=(pc.field("run_id") == run_id) & (pc.field("step") == step),
+        version = self.lake.first_version_with(
+            "training_batches", f"run_id = '{run_id}' AND step = {int(step)}")
+        if version is None:
+            raise RolloutlakeError(
+                f"run {run_id} step {step}: training_batches recorded the step's offset but "
+                "holds none of its rows"
             )
-            if rows.num_rows == 0:
-                return version + 1
-        return 0
+        return version
 
     def _write_metrics(self, pending: _Pending, marks: dict[int, int]) -> None:
         rows = []

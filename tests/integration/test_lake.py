@@ -51,3 +51,11 @@ def test_pruned_read_returns_only_matching_files(tmp_path):
     assert rows.column("step").to_pylist() == [3]
     old = lake.read("step_metrics", version=2, filter=pc.field("step") >= 0)
     assert sorted(old.column("step").to_pylist()) == [0, 1]
+
+
+def test_first_version_with_finds_the_commit_that_added_a_step(tmp_path):
+    lake = Lake(tmp_path)
+    versions = {step: lake.append("step_metrics", _metric(step)) for step in range(9)}
+    for step, version in versions.items():
+        assert lake.first_version_with("step_metrics", f"run_id = 'r' AND step = {step}") == version
+    assert lake.first_version_with("step_metrics", "run_id = 'r' AND step = 99") is None
