@@ -40,7 +40,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="rolloutlake", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rolloutlake", description=(
+        "rolloutlake: durable, replayable trajectory data for RL post-training "
+        "(rollout events in Kafka, sealed training batches in Delta Lake)"))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
