@@ -50,8 +50,19 @@ def publish(kafka: KafkaSettings, run_id: str, config: dict[str, Any] | None,
             pub.send_raw(pub.topics.events, key, orjson.dumps(body))
 
 
-def run_processor(kafka: KafkaSettings, lake_root: str, idle_s: float = 1.5) -> Processor:
-    processor = Processor(ProcessorConfig(kafka=kafka, lake=lake_root, until_idle_s=idle_s))
+def ordered_kafka(bootstrap_servers: str, prefix: str) -> KafkaSettings:
+    """Fresh topics with one partition each, topics created: decisions then follow publish
+    order, so which group of a step ends up surplus is determined by the test."""
+    kafka = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=prefix,
+                          event_partitions=1, decision_partitions=1)
+    kafka.ensure_topics()
+    return kafka
+
+
+def run_processor(kafka: KafkaSettings, lake_root: str, idle_s: float = 1.5,
+                  **config: Any) -> Processor:
+    processor = Processor(ProcessorConfig(kafka=kafka, lake=lake_root, until_idle_s=idle_s,
+                                          **config))
     processor.run()
     return processor
 

@@ -10,10 +10,9 @@ import sys
 import pytest
 
 from ingest.cli import COMMANDS
-from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
 from ingest.simulate import SimulationConfig, run_simulation
-from tests.integration.pipeline import run_processor
+from tests.integration.pipeline import ordered_kafka, run_processor
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
@@ -78,9 +77,7 @@ def test_schemas_export(tmp_path):
 
 @pytest.fixture(scope="module")
 def simulated_lake(broker, tmp_path_factory) -> str:
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="cli.",
-                          event_partitions=1, decision_partitions=1)
-    kafka.ensure_topics()
+    kafka = ordered_kafka(broker.bootstrap_servers, "cli.")
     sim = SimulationConfig(run_id="cli-run", steps=3, rollout_batch_size=3, n_samples=4,
                            response_len_mean=32, prompt_len=8, mode="open", seed=2)
     run_simulation(kafka, sim)

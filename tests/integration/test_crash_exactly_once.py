@@ -19,7 +19,7 @@ from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
 from schemas.events import event_group_key
 from schemas.tables import TABLES
-from tests.integration.pipeline import run_processor
+from tests.integration.pipeline import ordered_kafka, run_processor
 
 SIM = SimulationConfig(
     run_id="crashy", steps=20, rollout_batch_size=4, n_samples=4, response_len_mean=48,
@@ -27,13 +27,6 @@ SIM = SimulationConfig(
     missing_reward_rate=0.03, seed=11, mode="open", surplus_per_step=1,
 )
 KILLS = 6
-
-
-def _kafka(broker, prefix: str) -> KafkaSettings:
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=prefix,
-                          event_partitions=1, decision_partitions=1)
-    kafka.ensure_topics()
-    return kafka
 
 
 def _publish(kafka: KafkaSettings, pause_s: float = 0.0) -> None:
@@ -71,12 +64,12 @@ def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
 @pytest.mark.slow
 def test_kill_9_at_random_moments_changes_nothing(broker, tmp_path):
     reference_lake = str(tmp_path / "reference")
-    reference = _kafka(broker, "ref.")
+    reference = ordered_kafka(broker.bootstrap_servers, "ref.")
     _publish(reference)
     run_processor(reference, reference_lake, idle_s=2.0)
 
     crashed_lake = str(tmp_path / "crashed")
-    crashed = _kafka(broker, "crash.")
+    crashed = ordered_kafka(broker.bootstrap_servers, "crash.")
     streaming = threading.Thread(target=_publish, args=(crashed, 0.08))
     streaming.start()
     rng = random.Random(5)

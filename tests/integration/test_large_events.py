@@ -5,20 +5,17 @@ from __future__ import annotations
 import pyarrow.compute as pc
 from kafka import TopicPartition
 
-from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
 from ingest.processor.decisions import decision_header
 from ingest.publisher import RolloutPublisher
 from schemas.tables import content_sha256
-from tests.integration.pipeline import run_processor
+from tests.integration.pipeline import ordered_kafka, run_processor
 
 TOKENS = 1_150_000  # "100000," is 7 bytes per token: about 7.7 MiB of JSON
 
 
 def test_eight_mib_sample_reaches_a_sealed_batch(broker, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="big.",
-                          event_partitions=1, decision_partitions=1)
-    kafka.ensure_topics()
+    kafka = ordered_kafka(broker.bootstrap_servers, "big.")
     with RolloutPublisher(kafka) as pub:
         pub.run_started("big", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
         pub.group_started("big", group_index=0, step=0, n_samples=2)

@@ -13,6 +13,7 @@ from tests.integration.pipeline import (
     by_group,
     event,
     metrics,
+    ordered_kafka,
     publish,
     rows,
     run_processor,
@@ -76,13 +77,7 @@ def contract_events(run_id: str) -> list:
 
 @pytest.fixture(scope="module")
 def scenario(broker, tmp_path_factory):
-    from ingest.kafka_io import KafkaSettings
-
-    # One events partition: decisions then follow publish order, so which group of step 0
-    # ends up surplus is determined by the test, not by partition scheduling.
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="e2e.",
-                          event_partitions=1)
-    kafka.ensure_topics()
+    kafka = ordered_kafka(broker.bootstrap_servers, "e2e.")
     publish(kafka, "contract", DAPO, contract_events("contract"))
     filt = "filt"
     publish(kafka, filt, {**DAPO, "rollout_batch_size": 3,
@@ -204,18 +199,12 @@ def test_a_recreated_topic_is_refused_not_skipped(broker, tmp_path):
     """A lake that consumed a topic refuses the same topic recreated empty (memory broker
     restarted): resuming would skip every new event as already processed."""
     from ingest.broker import EmbeddedBroker, free_port
-    from ingest.kafka_io import KafkaSettings
     from schemas.errors import RolloutlakeError
 
-    def settings(bootstrap: str) -> KafkaSettings:
-        kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix="recreated.",
-                              event_partitions=1, decision_partitions=1)
-        kafka.ensure_topics()
-        return kafka
-
-    first = settings(broker.bootstrap_servers)
+    first = ordered_kafka(broker.bootstrap_servers, "recreated.")
     publish(first, "r", DAPO, [started("r", 0), sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
     run_processor(first, str(tmp_path), idle_s=1.0)
     with EmbeddedBroker(free_port()) as restarted:
         with pytest.raises(RolloutlakeError, match="the topic was recreated"):
-            run_processor(settings(restarted.bootstrap_servers), str(tmp_path), idle_s=1.0)
+            run_processor(ordered_kafka(restarted.bootstrap_servers, "recreated."),
+                          str(tmp_path), idle_s=1.0)

@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
-from ingest.processor.config import ProcessorConfig
-from ingest.processor.main import Processor
 from ingest.simulate import SimulationConfig, run_simulation
 from ingest.wandb_sync import last_synced_step, sync_run
 from tests.integration.metric_fixtures import step_metric_keys, write_steps
+from tests.integration.pipeline import ordered_kafka, run_processor
 
 RUN = "dapo-wb"
 BLOCK = 32 * 1024
@@ -145,13 +143,10 @@ def _offline(monkeypatch):
 
 
 def test_processor_option_logs_every_sealed_step(broker, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="wb.",
-                          event_partitions=1, decision_partitions=1)
-    kafka.ensure_topics()
+    kafka = ordered_kafka(broker.bootstrap_servers, "wb.")
     sim = SimulationConfig(run_id="wb-run", steps=3, rollout_batch_size=2, n_samples=4,
                            response_len_mean=16, prompt_len=4, mode="open", seed=1)
     run_simulation(kafka, sim)
-    Processor(ProcessorConfig(kafka=kafka, lake=str(tmp_path / "lake"), until_idle_s=1.5,
-                              wandb=True, wandb_dir=str(tmp_path))).run()
+    run_processor(kafka, str(tmp_path / "lake"), wandb=True, wandb_dir=str(tmp_path))
     counts = synced(logged_steps(tmp_path))
     assert sorted(counts) == [0, 1, 2] and set(counts.values()) == {1}
