@@ -26,15 +26,14 @@ from rich.console import Console
 from rich.progress import track
 
 from ingest.core.assembly import GroupBuilder
-from ingest.core.batching import Effects, RunBatcher
+from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
 from ingest.core.decided import DecidedGroup, fragments_table, header_for
 from ingest.core.model import FilterVerdict
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake
-from ingest.processor.io import utc_micros
 from schemas.errors import ConfigError, RolloutlakeError
 from schemas.events import RunConfig, parse_event
-from schemas.tables import GROUPS, STEP_METRICS, STEPS
+from schemas.tables import STEP_METRICS, STEPS
 
 
 def archived_config(lake: Lake, run_id: str) -> RunConfig:
@@ -108,25 +107,17 @@ def write_effects(out: Lake, run_id: str, effects: list[Effects]) -> None:
     for e in effects:
         merged.extend(e)
     if merged.groups:
-        out.append("groups", pa.Table.from_pylist(
-            [{**g, "decided_at": utc_micros(g["decided_at"]),
-              "first_event_at": utc_micros(g["first_event_at"])} for g in merged.groups],
-            schema=GROUPS.schema))
+        out.append("groups", groups_table(merged.groups))
     if merged.samples:
         out.append("samples", pa.concat_tables(merged.samples))
     version = None
     if merged.sealed:
         version = out.append("training_batches", pa.concat_tables([s.rows for s in merged.sealed]))
         out.append("steps", pa.Table.from_pylist(
-            [{"run_id": run_id, "step": s.step, "n_groups": s.n_groups,
-              "n_samples": s.rows.num_rows, "sealed_at": utc_micros(s.sealed_at),
-              "batch_version": version, "content_sha256": s.content_sha256,
-              "n_rollouts": s.n_rollouts, "n_tokens": s.n_tokens} for s in merged.sealed],
-            schema=STEPS.schema))
-    metric_rows = [{"run_id": run_id, "step": step, "key": k, "value": float(v)}
-                   for step, m in merged.closed for k, v in sorted(m.items())]
-    if metric_rows:
-        out.append("step_metrics", pa.Table.from_pylist(metric_rows, schema=STEP_METRICS.schema))
+            [steps_row(run_id, s, version) for s in merged.sealed], schema=STEPS.schema))
+    metrics = [row for step, m in merged.closed for row in metric_rows(run_id, step, m)]
+    if metrics:
+        out.append("step_metrics", pa.Table.from_pylist(metrics, schema=STEP_METRICS.schema))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,11 @@ class TableSpec:
         return self.schema.empty_table()
 
 
+def utc_micros(seconds: float) -> int:
+    """A `UTC_MICROS` column value from seconds since the epoch."""
+    return int(seconds * 1_000_000)
+
+
 def _f(name: str, type_: pa.DataType, nullable: bool = True) -> pa.Field:
     return pa.field(name, type_, nullable=nullable)
 

@@ -33,7 +33,7 @@ from ingest.core.metrics import (
 from ingest.core.model import FilterVerdict
 from ingest.filters import CANCELLED_AT_SEAL
 from schemas.events import RunConfig
-from schemas.tables import TRAINING_BATCHES, content_sha256
+from schemas.tables import GROUPS, TRAINING_BATCHES, content_sha256, utc_micros
 
 
 @dataclass(slots=True)
@@ -238,6 +238,32 @@ def step_metrics(window: StepWindow, config: RunConfig) -> dict[str, float]:
     if window.sealed_at is not None and window.first_event_at is not None:
         out["perf/rollout_time"] = max(0.0, window.sealed_at - window.first_event_at)
     return out
+
+
+def groups_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """`groups` rows of `Effects.groups` (times in seconds) as a contract table."""
+    return pa.Table.from_pylist(
+        [{**r, "decided_at": utc_micros(r["decided_at"]),
+          "first_event_at": utc_micros(r["first_event_at"])} for r in rows],
+        schema=GROUPS.schema,
+    )
+
+
+def steps_row(run_id: str, sealed: SealedStep, batch_version: int) -> dict[str, Any]:
+    """The `steps` row of a sealed step whose rows are in `training_batches` version
+    `batch_version`."""
+    return {
+        "run_id": run_id, "step": sealed.step, "n_groups": sealed.n_groups,
+        "n_samples": sealed.rows.num_rows, "sealed_at": utc_micros(sealed.sealed_at),
+        "batch_version": batch_version, "content_sha256": sealed.content_sha256,
+        "n_rollouts": sealed.n_rollouts, "n_tokens": sealed.n_tokens,
+    }
+
+
+def metric_rows(run_id: str, step: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
+    """`step_metrics` rows of one closed step, keys in order."""
+    return [{"run_id": run_id, "step": step, "key": k, "value": float(v)}
+            for k, v in sorted(metrics.items())]
 
 
 def _batch_order(group: DecidedGroup) -> tuple[int, int]:

@@ -19,17 +19,17 @@ from typing import Any
 import pyarrow as pa
 from kafka import TopicPartition
 
-from ingest.core.batching import Effects, RunBatcher
+from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
 from ingest.core.decided import DecidedGroup, fragments_table
 from ingest.lake import Lake, TxnMark
 from ingest.processor.archive import archived_group
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import decision_header, decode_fragments, opened_notice
-from ingest.processor.io import app_id, utc_micros
+from ingest.processor.io import app_id
 from ingest.processor.stage import Stage
 from schemas.control import StepSealed
 from schemas.errors import RolloutlakeError
-from schemas.tables import GROUPS, STEP_METRICS, STEPS
+from schemas.tables import STEP_METRICS, STEPS
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,7 @@ class BatchStage(Stage):
     def _collect(self, run_id: str, partition: int, offset: int, effects: Effects,
                  pending: _Pending) -> None:
         if effects.groups:
-            pending.add("groups", pa.Table.from_pylist(
-                [{**row, "decided_at": utc_micros(row["decided_at"]),
-                  "first_event_at": utc_micros(row["first_event_at"])} for row in effects.groups],
-                schema=GROUPS.schema), partition, offset)
+            pending.add("groups", groups_table(effects.groups), partition, offset)
         for samples in effects.samples:
             pending.add("samples", samples, partition, offset)
         for sealed in effects.sealed:
@@ -224,14 +221,7 @@ class BatchStage(Stage):
             tb_recorded = self._recorded("training_batches", partition)
             if version is None or (tb_recorded is not None and offset <= tb_recorded):
                 version = self._find_batch_version(run_id, step)
-            new_rows.append(
-                {
-                    "run_id": run_id, "step": step, "n_groups": sealed.n_groups,
-                    "n_samples": sealed.rows.num_rows, "sealed_at": utc_micros(sealed.sealed_at),
-                    "batch_version": version, "content_sha256": sealed.content_sha256,
-                    "n_rollouts": sealed.n_rollouts, "n_tokens": sealed.n_tokens,
-                }
-            )
+            new_rows.append(steps_row(run_id, sealed, version))
         if new_rows:
             self.lake.append(
                 "steps", pa.Table.from_pylist(new_rows, schema=STEPS.schema),
@@ -258,8 +248,7 @@ class BatchStage(Stage):
             if (run_id, step) in self.closed_steps:
                 continue
             self.closed_steps.add((run_id, step))
-            rows.extend({"run_id": run_id, "step": step, "key": k, "value": float(v)}
-                        for k, v in sorted(metrics.items()))
+            rows.extend(metric_rows(run_id, step, metrics))
         if rows:
             # Keyed by (run, step): a replayed closure is skipped above, so no offset marks
             # are needed (and a flush at shutdown has no offset of its own).

@@ -26,7 +26,7 @@ from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened
-from ingest.processor.io import app_id, utc_micros
+from ingest.processor.io import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError, RolloutlakeError
 from schemas.events import (
@@ -36,7 +36,7 @@ from schemas.events import (
     decode_event,
     parse_event,
 )
-from schemas.tables import EVENTS
+from schemas.tables import EVENTS, utc_micros
 
 log = logging.getLogger(__name__)
 

@@ -18,17 +18,13 @@ from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake, TxnMark
 from schemas.errors import EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
-from schemas.tables import DEAD_LETTERS
+from schemas.tables import DEAD_LETTERS, utc_micros
 
 log = logging.getLogger(__name__)
 
 
 def app_id(table: str, topic: str, partition: int) -> str:
     return f"{table}@{topic}:{partition}"
-
-
-def utc_micros(seconds: float) -> int:
-    return int(seconds * 1_000_000)
 
 
 class RunRegistry:
