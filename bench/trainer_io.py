@@ -20,8 +20,8 @@ Targets (issue 5): Delta within 1.3x of Parquet, >= 5x faster than JSONL.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,9 +32,12 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.lake import Lake
-from schemas.tables import STEPS, TRAINING_BATCHES, content_sha256
-from trainer.batches import StepFollower, load_step, read_sealed_rows, tensorize
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ingest.lake import Lake  # noqa: E402
+from schemas.tables import TRAINING_BATCHES, content_sha256  # noqa: E402
+from tests.integration.trainer_fixtures import seal_step  # noqa: E402
+from trainer.batches import StepFollower, load_step, read_sealed_rows, tensorize  # noqa: E402
 
 RUN = "bench"
 DELTA = "delta (find + read + verify + tensorise)"
@@ -81,21 +84,6 @@ def sealed_rows(step: int, groups: int, samples: int, tokens: int, seed: int) ->
     return pa.table(columns).cast(TRAINING_BATCHES.schema)
 
 
-def seal(lake: Lake, rows: pa.Table) -> None:
-    version = lake.append(TRAINING_BATCHES.name, rows)
-    step = rows.column("step")[0].as_py()
-    steps_row = {
-        "run_id": RUN,
-        "step": step,
-        "n_groups": len(set(rows.column("group_index").to_pylist())),
-        "n_samples": rows.num_rows,
-        "sealed_at": dt.datetime.now(dt.UTC),
-        "batch_version": version,
-        "content_sha256": content_sha256(rows),
-    }
-    lake.append(STEPS.name, pa.Table.from_pylist([steps_row], schema=STEPS.schema))
-
-
 def interleaved_times(
     paths: dict[str, Callable[[], object]], repeat: int
 ) -> dict[str, tuple[float, float]]:
@@ -125,7 +113,7 @@ def main() -> None:
         target = 2
         for step in (1, 2, 3):  # the step read sits between two others in the table
             rows = sealed_rows(step, args.groups, args.samples, args.tokens, seed=0)
-            seal(lake, rows)
+            seal_step(lake, rows)
             if step == target:
                 step_rows = rows
         pq.write_table(step_rows, root / "step.parquet")
