@@ -9,7 +9,7 @@ import time
 import orjson
 import pytest
 
-from ingest.broker import EmbeddedBroker, free_port
+from ingest.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.kafka_io import KafkaSettings
 from schemas.events import decode_event
 from tests.integration.gateway_support import (
@@ -136,9 +136,10 @@ def test_auth_401_and_403(gw):
         assert other.status_code == 403 and "run-b" in other.json()["detail"]
 
 
-def test_broker_down_is_503_with_retry_after_and_retry_is_safe(lake_root, tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_broker_down_is_503_with_retry_after_and_retry_is_safe(engine, lake_root, tmp_path):
     port = free_port()
-    broker = EmbeddedBroker(port).start()
+    broker = EmbeddedBroker(port, engine=engine).start()
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_timeout_ms=2000)
     config = gateway_config(kafka, lake_root, tmp_path / "state", publish_timeout_s=2,
                             retry_after_s=3)
@@ -151,7 +152,7 @@ def test_broker_down_is_503_with_retry_after_and_retry_is_safe(lake_root, tmp_pa
             assert down.status_code == 503
             assert down.headers["Retry-After"] == "3"
             assert client.get("/healthz").json()["kafka"] == "unavailable"
-            broker = EmbeddedBroker(port).start()
+            broker = EmbeddedBroker(port, engine=engine).start()
             for _ in range(60):
                 retry = client.post("/v1/events", json=events)
                 if retry.status_code != 503:

@@ -204,7 +204,7 @@ def test_a_recreated_topic_is_refused_not_skipped(broker, tmp_path):
     first = ordered_kafka(broker.bootstrap_servers, "recreated.")
     publish(first, "r", DAPO, [started("r", 0), sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
     run_processor(first, str(tmp_path), idle_s=1.0)
-    with EmbeddedBroker(free_port()) as restarted:
+    with EmbeddedBroker(free_port(), engine=broker.engine) as restarted:
         with pytest.raises(RolloutlakeError, match="the topic was recreated"):
             run_processor(ordered_kafka(restarted.bootstrap_servers, "recreated."),
                           str(tmp_path), idle_s=1.0)
