@@ -17,7 +17,7 @@ from schemas.errors import RolloutlakeError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("ingest.broker", "run the embedded Kafka-compatible broker (Tansu)"),
+    "broker": ("ingest.broker", "run an embedded broker on loopback (Tansu, or Apache Kafka)"),
     "schemas": ("schemas.export", "export JSON Schemas of events, print Delta table schemas"),
     "process": ("ingest.processor.main", "run the stream processor (events -> Delta batches)"),
     "simulate": ("ingest.simulate", "publish simulated rollout runs (load generator)"),
