@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import ctypes
 import logging
 import os
 import shutil
@@ -22,9 +21,10 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+from ingest.child_process import die_with_parent
 from schemas.errors import BrokerStartError
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ ENGINE_NAMES = {"tansu": "Tansu", "kafka": "Apache Kafka"}
 KAFKA_DIR = Path(__file__).resolve().parents[1] / "deploy" / "kafka"
 FETCH_KAFKA = "sh deploy/kafka/fetch.sh"
 KAFKA_HEAP = "-Xmx512m"
-_PR_SET_PDEATHSIG = 1
 _LOG_TAIL_BYTES = 4096
 _WORKDIR_PREFIX = "rolloutlake-broker-"
 
@@ -124,24 +123,6 @@ def _answers(bootstrap: str) -> bool:
         return False
     finally:
         admin.close()
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """A `preexec_fn` that has the kernel SIGKILL the child when its parent dies.
-
-    The signal follows the thread that forked: start brokers from a thread that outlives
-    them (the main thread does). A parent that died before the prctl is caught by the
-    getppid check.
-    """
-    parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
 
 
 def _remove_orphaned_workdirs() -> None:
@@ -241,7 +222,7 @@ class EmbeddedBroker:
             try:
                 self.process = subprocess.Popen(
                     cmd, stdout=output, stderr=output, cwd=self.workdir,
-                    preexec_fn=_die_with_parent(),
+                    preexec_fn=partial(die_with_parent, os.getpid()),
                 )
             finally:
                 if output is not None:
@@ -282,7 +263,7 @@ class EmbeddedBroker:
         formatted = subprocess.run(
             [*jvm, "kafka.tools.StorageTool", "format", "--ignore-formatted",
              "-t", _kafka_cluster_id(), "-c", str(properties)],
-            capture_output=True, text=True, preexec_fn=_die_with_parent(),
+            capture_output=True, text=True, preexec_fn=partial(die_with_parent, os.getpid()),
         )
         if formatted.returncode != 0:
             reason = _last_line(formatted.stderr or formatted.stdout)

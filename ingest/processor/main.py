@@ -9,7 +9,6 @@ the decisions still in flight, close its steps and exit.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -21,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ingest.child_process import die_with_parent
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
@@ -117,18 +117,9 @@ class Processor:
             self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when its parent dies, so no orphan stage lives on."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
     """Entry point of the batch-stage child process (started with `spawn`)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)  # no orphan stage lives on
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)

@@ -17,6 +17,8 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.io import DeadLetters, RunRegistry
 from schemas.errors import RolloutlakeError
 
+TOPIC_WAIT_S = 10.0
+
 
 class Stage(ConsumerRebalanceListener):
     """Subclasses implement `_take_over`, `_release`, `_new_batch`, `_handle`, `_commit`."""
@@ -36,10 +38,31 @@ class Stage(ConsumerRebalanceListener):
             heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
             max_poll_records=config.max_poll_records,
         )
+        try:
+            self._wait_for_partitions(topic)
+        except RolloutlakeError:
+            self.close()
+            raise
         self.consumer.subscribe([topic], listener=self)
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
         self.newly_assigned: set[TopicPartition] = set()
+
+    def _wait_for_partitions(self, topic: str) -> None:
+        """Subscribe only once this client's metadata lists the topic's partitions.
+
+        Otherwise the first join (immediate on Apache Kafka) assigns nothing, and the
+        rebalance that follows the metadata update can complete after `poll` returned:
+        kafka-python then never applies that assignment and the stage waits forever.
+        """
+        deadline = time.monotonic() + TOPIC_WAIT_S
+        while not self.consumer.partitions_for_topic(topic):
+            if time.monotonic() > deadline:
+                raise RolloutlakeError(
+                    f"topic {topic} does not exist on {self.config.kafka.bootstrap_servers} "
+                    f"(no partitions listed within {TOPIC_WAIT_S:.0f} s)"
+                )
+            time.sleep(0.1)
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)

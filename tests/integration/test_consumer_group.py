@@ -1,0 +1,50 @@
+"""Processor stages as consumer-group members, on each broker engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.processor import stage as stage_module
+from ingest.processor.batch_stage import BatchStage
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.group_stage import GroupStage
+from schemas.errors import RolloutlakeError
+
+
+@pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
+def test_the_first_assignment_holds_every_partition_of_a_new_topic(kafka, lake_root,
+                                                                   stage_class):
+    """A first join that assigns nothing is followed by a rebalance kafka-python can lose
+    (it completes after `poll` returned), leaving the stage without partitions forever."""
+    lake = Lake(lake_root)
+    for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
+                  "dead_letters"):
+        lake.ensure(table)
+    stage = stage_class(ProcessorConfig(kafka=kafka, lake=lake_root), lake)
+    assignments: list[set[int]] = []
+    note = stage.on_partitions_assigned
+    stage.on_partitions_assigned = lambda assigned: (
+        assignments.append({tp.partition for tp in assigned}), note(assigned))
+    try:
+        deadline = time.monotonic() + 60
+        while not stage.joined and time.monotonic() < deadline:
+            stage.poll_once()
+    finally:
+        stage.close()
+    topic = stage.topics.events if stage_class is GroupStage else stage.topics.decisions
+    partitions = kafka.event_partitions if stage_class is GroupStage else kafka.decision_partitions
+    assert stage.joined, f"no partitions of {topic} assigned within 60 s: {assignments}"
+    assert assignments[0] == set(range(partitions))
+
+
+def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
+    monkeypatch.setattr(stage_module, "TOPIC_WAIT_S", 1.0)
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="never.made.")
+    with pytest.raises(RolloutlakeError) as raised:
+        BatchStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))
+    assert str(raised.value) == (f"topic never.made.rollout.decisions does not exist on "
+                                 f"{broker.bootstrap_servers} (no partitions listed within 1 s)")
