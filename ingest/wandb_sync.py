@@ -117,6 +117,7 @@ def follow_all_runs(lake: Lake, run_ids: Callable[[], Iterable[str]], stop: thre
     """The processor's `--wandb`: follow every run `run_ids()` names, one thread per run,
     until `stop` is set (then each W&B run is finished)."""
     threads: dict[str, threading.Thread] = {}
+    final = False
     while True:
         for run_id in run_ids():
             if run_id not in threads:
@@ -126,8 +127,10 @@ def follow_all_runs(lake: Lake, run_ids: Callable[[], Iterable[str]], stop: thre
                             "wandb_dir": wandb_dir},
                     name=f"wandb-{run_id}", daemon=True)
                 threads[run_id].start()
-        if stop.wait(poll_s):
+        if final:
             break
+        # Once stopped, one last look: a run that appeared since is still synced.
+        final = stop.wait(poll_s)
     for thread in threads.values():
         thread.join(timeout=60)
 

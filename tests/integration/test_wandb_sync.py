@@ -16,7 +16,7 @@ from wandb.proto import wandb_internal_pb2
 
 from ingest.lake import Lake
 from ingest.simulate import SimulationConfig, run_simulation
-from ingest.wandb_sync import last_synced_step, sync_run
+from ingest.wandb_sync import follow_all_runs, last_synced_step, sync_run
 from tests.integration.metric_fixtures import step_metric_keys, write_steps
 from tests.integration.pipeline import ordered_kafka, run_processor
 
@@ -140,6 +140,23 @@ def test_cli_is_offline_by_default_and_rejects_a_wrong_lake(lake_root, tmp_path)
 def _offline(monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the default must be offline
+
+
+def test_a_run_that_appears_as_the_processor_stops_is_still_synced(lake_root, tmp_path):
+    """A processor that stops within one poll of learning a run (fast on Apache Kafka)."""
+    write_steps(Lake(lake_root), RUN, range(0, 2))
+    stop = threading.Event()
+    looks: list[int] = []
+
+    def run_ids() -> list[str]:
+        looks.append(1)
+        if len(looks) == 1:
+            stop.set()  # the run becomes known only after the processor was told to stop
+            return []
+        return [RUN]
+
+    follow_all_runs(Lake(lake_root), run_ids, stop, wandb_dir=tmp_path, poll_s=30.0)
+    assert synced(logged_steps(tmp_path)) == Counter(range(2))
 
 
 def test_processor_option_logs_every_sealed_step(broker, tmp_path):
