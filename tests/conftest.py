@@ -1,7 +1,7 @@
 """Shared fixtures: one embedded broker per engine and test session, fresh topics per test.
 
-Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache Kafka
-(`-k tansu` or `-k kafka` selects one engine).
+Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache Kafka (its
+id carries `tansu` or `kafka`); a broker that does not start fails those tests.
 """
 
 from __future__ import annotations
