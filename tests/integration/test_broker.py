@@ -143,6 +143,27 @@ def test_kafka_engine_errors_are_one_line(tmp_path):
             "pick another with --port")
 
 
+def _fake_java(home: Path, script: str) -> str:
+    java = home / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text("#!/bin/sh\n" + script)
+    java.chmod(0o755)
+    return str(home)
+
+
+def test_a_kafka_that_fails_to_start_says_why_in_one_line(tmp_path):
+    format_fails = _fake_java(tmp_path / "format", "echo 'Invalid cluster.id' >&2; exit 1\n")
+    assert _one_line_error("kafka", free_port(), {"JAVA_HOME": format_fails}) == (
+        "rolloutlake broker: formatting Apache Kafka's storage failed: Invalid cluster.id")
+    start_fails = _fake_java(tmp_path / "start", (
+        'case "$*" in *StorageTool*) exit 0;; esac\n'
+        "echo 'ERROR Exiting Kafka due to fatal exception' >&2; exit 1\n"))
+    port = free_port()
+    assert _one_line_error("kafka", port, {"JAVA_HOME": start_fails}) == (
+        f"rolloutlake broker: Apache Kafka exited with code 1 while starting on "
+        f"127.0.0.1:{port}: ERROR Exiting Kafka due to fatal exception")
+
+
 def test_unknown_engine_is_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "broker", "--engine", "redpanda"],
