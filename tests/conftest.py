@@ -1,4 +1,8 @@
-"""Shared fixtures: one embedded Tansu broker per test session, fresh topics per test."""
+"""Shared fixtures: one embedded broker per engine and test session, fresh topics per test.
+
+Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache Kafka
+(`-k tansu` or `-k kafka` selects one engine).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,14 @@ import uuid
 
 import pytest
 
-from ingest.broker import EmbeddedBroker, free_port
+from ingest.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.kafka_io import KafkaSettings
 
 
-@pytest.fixture(scope="session")
-def broker():
-    """A real Kafka-compatible broker (Tansu) on a free loopback port."""
-    with EmbeddedBroker(free_port()) as running:
+@pytest.fixture(scope="session", params=ENGINES)
+def broker(request):
+    """A real broker of each engine on a free loopback port; failing to start fails the test."""
+    with EmbeddedBroker(free_port(), engine=request.param) as running:
         yield running
 
 

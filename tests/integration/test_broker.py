@@ -1,0 +1,154 @@
+"""`rolloutlake broker` on both engines as an operator runs it: start, stop, kill -9, errors."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ingest.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
+
+START_TIMEOUT_S = 90.0
+
+
+def _wrapper(engine: str, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ingest.cli", "broker", "--engine", engine, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait_ready(wrapper: subprocess.Popen[str]) -> str:
+    assert wrapper.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([wrapper.stdout], [], [], 1.0)
+        if readable:
+            line = wrapper.stdout.readline()
+            assert line, f"the broker wrapper exited: {wrapper.wait()} {wrapper.stderr.read()}"
+            if "ready at" in line:
+                return line
+    pytest.fail(f"the broker wrapper printed no ready line within {START_TIMEOUT_S:.0f} s")
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie waiting for its new parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _workdirs(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"rolloutlake-broker-{pid}-*"))
+
+
+def _eventually(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_kill_9_of_the_wrapper_takes_the_broker_with_it(engine):
+    port = free_port()
+    wrapper = _wrapper(engine, port)
+    children: list[int] = []
+    try:
+        _wait_ready(wrapper)
+        children = _children(wrapper.pid)
+        assert children, "the wrapper has no broker child"
+        assert _workdirs(wrapper.pid), "the broker has no temporary directory"
+        wrapper.kill()
+        wrapper.wait()
+        assert _eventually(lambda: not any(_running(child) for child in children)), (
+            f"the {engine} broker outlived kill -9 of its wrapper")
+        assert _eventually(lambda: port_is_free("127.0.0.1", port)), f"port {port} still taken"
+    finally:
+        wrapper.kill()
+        for child in children:
+            if _running(child):
+                os.kill(child, signal.SIGKILL)
+    # The killed wrapper could not remove its temporary directory: the next broker does.
+    left_behind = _workdirs(wrapper.pid)
+    assert left_behind
+    with EmbeddedBroker(free_port(), engine=engine):
+        assert not any(path.exists() for path in left_behind)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_stops_the_broker_cleanly(engine, stop_signal):
+    port = free_port()
+    wrapper = _wrapper(engine, port)
+    try:
+        ready = _wait_ready(wrapper)
+        assert f"ready at 127.0.0.1:{port}" in ready
+        children = _children(wrapper.pid)
+        wrapper.send_signal(stop_signal)
+        stdout, stderr = wrapper.communicate(timeout=30)
+    finally:
+        wrapper.kill()
+    assert wrapper.returncode == 0, stderr
+    assert stdout.strip().endswith("broker stopped")
+    assert "Traceback" not in stderr
+    assert not any(_running(child) for child in children)
+    assert port_is_free("127.0.0.1", port)
+    assert not _workdirs(wrapper.pid)
+
+
+def _one_line_error(engine: str, port: int, env: dict[str, str] | None = None) -> str:
+    wrapper = _wrapper(engine, port, env)
+    stdout, stderr = wrapper.communicate(timeout=120)
+    assert wrapper.returncode == 2, stdout + stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert not _workdirs(wrapper.pid)
+    return lines[0]
+
+
+def test_kafka_engine_errors_are_one_line(tmp_path):
+    jars_missing = _one_line_error("kafka", free_port(), {"ROLLOUTLAKE_KAFKA_LIBS": str(tmp_path)})
+    assert jars_missing == (f"rolloutlake broker: the Apache Kafka jars are not in {tmp_path}: "
+                            "fetch them with `sh deploy/kafka/fetch.sh`")
+    java_missing = _one_line_error("kafka", free_port(), {"JAVA_HOME": str(tmp_path)})
+    assert java_missing.startswith(f"rolloutlake broker: the kafka engine needs Java 17 or later "
+                                   f"and none was found on JAVA_HOME={tmp_path}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _one_line_error("kafka", port) == (
+            f"rolloutlake broker: port {port} on 127.0.0.1 is already in use; "
+            "pick another with --port")
+
+
+def test_unknown_engine_is_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "ingest.cli", "broker", "--engine", "redpanda"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("rolloutlake broker: error: argument --engine: invalid choice: "
+                           "'redpanda' (choose from ")
