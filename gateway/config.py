@@ -51,7 +51,7 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kafka: KafkaSettings = KafkaSettings()
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     lake_root: Annotated[str, Field(min_length=1)] = "./lake"
     """Delta lake root (local folder or s3:// URI); datasets live under `datasets/`."""
     state_dir: Path = Path("./gateway-state")

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
@@ -154,17 +155,26 @@ def _kafka_cluster_id() -> str:
             return cluster_id
 
 
-def kafka_server_properties(host: str, port: int, controller_port: int, data_dir: Path) -> str:
-    """A combined broker+controller node tuned to start and rebalance fast on one machine."""
+def kafka_server_properties(host: str, port: int, controller_port: int, data_dir: Path, *,
+                            listeners: Mapping[str, int] = {},
+                            properties: Mapping[str, str] = {}) -> str:
+    """A combined broker+controller node tuned to start and rebalance fast on one machine.
+
+    `listeners` adds client listeners named after their security protocol
+    (`{"SASL_SSL": 9094}`), configured through `properties`; PLAINTEXT on `port` stays the
+    inter-broker listener, which the wrapper also uses to see that the broker is ready.
+    """
+    extra = "".join(f",{name}://{host}:{extra_port}" for name, extra_port in listeners.items())
     settings = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@{host}:{controller_port}",
-        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller_port}{extra}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{port}{extra}",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+        + "".join(f",{name}:{name}" for name in listeners),
         "log.dirs": str(data_dir),
         # Topics are created by rolloutlake with their partition counts (ensure_topics), as
         # managed Kafka requires: a topic nobody created is an error, not a silent new topic.
@@ -181,6 +191,7 @@ def kafka_server_properties(host: str, port: int, controller_port: int, data_dir
         # 8 MiB events plus framing, as KafkaSettings' clients send them.
         "message.max.bytes": str(9 * 1024 * 1024),
         "replica.fetch.max.bytes": str(9 * 1024 * 1024),
+        **properties,
     }
     return "".join(f"{key}={value}\n" for key, value in settings.items())
 
@@ -189,9 +200,15 @@ class EmbeddedBroker:
     """A broker process of `engine` on `host:port`; a context manager that waits until it answers."""
 
     def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
-                 engine: str = "tansu", quiet: bool = True):
+                 engine: str = "tansu", quiet: bool = True,
+                 kafka_listeners: Mapping[str, int] = {},
+                 kafka_properties: Mapping[str, str] = {}):
         if engine not in ENGINES:
             raise BrokerStartError(f"unknown broker engine {engine!r}: use one of {', '.join(ENGINES)}")
+        if engine != "kafka" and (kafka_listeners or kafka_properties):
+            raise BrokerStartError("extra listeners and properties need the kafka engine")
+        self.kafka_listeners = dict(kafka_listeners)
+        self.kafka_properties = dict(kafka_properties)
         self.host = host
         self.port = port
         self.engine = engine
@@ -250,25 +267,30 @@ class EmbeddedBroker:
 
     def _kafka_command(self) -> list[str]:
         assert self.workdir is not None
-        java, libs = java_binary(), kafka_libs()
         controller_port = free_port(self.host)
         properties = self.workdir / "server.properties"
         properties.write_text(kafka_server_properties(
-            self.host, self.port, controller_port, self.workdir / "data"))
-        jvm = [
-            str(java), KAFKA_HEAP, "-XX:+UseSerialGC", "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={KAFKA_DIR / 'log4j2.properties'}",
-            "-cp", str(libs / "*"),
-        ]
-        formatted = subprocess.run(
-            [*jvm, "kafka.tools.StorageTool", "format", "--ignore-formatted",
-             "-t", _kafka_cluster_id(), "-c", str(properties)],
-            capture_output=True, text=True, preexec_fn=partial(die_with_parent, os.getpid()),
-        )
+            self.host, self.port, controller_port, self.workdir / "data",
+            listeners=self.kafka_listeners, properties=self.kafka_properties))
+        formatted = self.kafka_tool("kafka.tools.StorageTool", "format", "--ignore-formatted",
+                                    "-t", _kafka_cluster_id(), "-c", str(properties))
         if formatted.returncode != 0:
             reason = _last_line(formatted.stderr or formatted.stdout)
             raise BrokerStartError(f"formatting Apache Kafka's storage failed: {reason}")
-        return [*jvm, "kafka.Kafka", str(properties)]
+        return [*self._kafka_jvm(), "kafka.Kafka", str(properties)]
+
+    def _kafka_jvm(self) -> list[str]:
+        return [
+            str(java_binary()), KAFKA_HEAP, "-XX:+UseSerialGC", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={KAFKA_DIR / 'log4j2.properties'}",
+            "-cp", str(kafka_libs() / "*"),
+        ]
+
+    def kafka_tool(self, main_class: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run one of Apache Kafka's own tools (`kafka.tools.StorageTool`,
+        `org.apache.kafka.tools.ConfigCommand`, ...) on the broker's class path."""
+        return subprocess.run([*self._kafka_jvm(), main_class, *args], capture_output=True,
+                              text=True, preexec_fn=partial(die_with_parent, os.getpid()))
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         assert self.process is not None

@@ -2,19 +2,33 @@
 
 All clients are kafka-python. Sizes are raised so 8 MiB events pass end to end; topics are
 created explicitly because brokers such as Tansu auto-create unknown topics with one
-partition.
+partition. A secured Kafka (TLS, SASL PLAIN or SCRAM) is configured on `KafkaSettings`, or
+through `ROLLOUTLAKE_KAFKA_*` environment variables that every service reads the same way
+(docs/kafka-security.md); secrets are `SecretStr`, never logged.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from schemas.errors import BrokerUnavailableError
 
@@ -23,6 +37,16 @@ log = logging.getLogger(__name__)
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 # Record batches carry headers and framing on top of the value.
 MAX_REQUEST_BYTES = MAX_EVENT_BYTES + 1024 * 1024
+
+SECURITY_ENV_PREFIX = "ROLLOUTLAKE_KAFKA_"
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+# Settings a deployment gives through the environment rather than flags; a `_FILE` variant
+# of each secret names a file holding it (Docker and Kubernetes secrets).
+SECURITY_FIELDS = ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password",
+                   "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password",
+                   "ssl_check_hostname")
+SECRET_FIELDS = ("sasl_password", "ssl_key_password")
 
 
 @dataclass(frozen=True)
@@ -59,6 +83,56 @@ class KafkaSettings(BaseModel):
     request_timeout_ms: Annotated[int, Field(ge=1000)] = 30000
     bootstrap_timeout_ms: Annotated[int, Field(ge=100)] = 5000
     """How long a client waits for the first broker answer before giving up."""
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    """`SSL` for TLS, `SASL_SSL` for TLS with a SASL login (managed Kafka), `SASL_PLAINTEXT`."""
+    sasl_mechanism: SaslMechanism | None = None
+    """SASL mechanism of a `SASL_*` protocol."""
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    """Never logged; from `ROLLOUTLAKE_KAFKA_SASL_PASSWORD` or `..._SASL_PASSWORD_FILE`."""
+    ssl_cafile: Path | None = None
+    """PEM bundle of the CAs that sign the brokers' certificates; unset: the system's CAs."""
+    ssl_certfile: Path | None = None
+    """PEM client certificate, for brokers that require TLS client authentication."""
+    ssl_keyfile: Path | None = None
+    """PEM private key of `ssl_certfile`."""
+    ssl_key_password: SecretStr | None = None
+    """Password of an encrypted `ssl_keyfile`."""
+    ssl_check_hostname: bool = True
+    """Check that the broker's certificate names the host connected to."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _security_from_environment(cls, values: Any) -> Any:
+        """Fill the security settings not given explicitly from `ROLLOUTLAKE_KAFKA_*`."""
+        if not isinstance(values, dict):
+            return values
+        from_env = security_from_env(os.environ, skip=values.keys())
+        for name, value in from_env.items():
+            try:  # checked here, so that an error names the variable, not a flag
+                TypeAdapter(cls.model_fields[name].annotation).validate_python(value)
+            except ValidationError as err:
+                message = err.errors(include_url=False)[0]["msg"]
+                raise ValueError(f"{SECURITY_ENV_PREFIX}{name.upper()}: {message}") from None
+        return {**from_env, **values}
+
+    @model_validator(mode="after")
+    def _security_is_complete(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL_"):
+            missing = [name for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                       if getattr(self, name) is None]
+            if missing:
+                raise ValueError(
+                    f"kafka security_protocol {self.security_protocol} needs sasl_mechanism, "
+                    f"sasl_username and sasl_password ({missing[0]} is not set)"
+                )
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"kafka {name}: no such file: {path}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("kafka ssl_certfile and ssl_keyfile: give both or neither")
+        return self
 
     @property
     def topics(self) -> Topics:
@@ -98,14 +172,61 @@ class KafkaSettings(BaseModel):
         options = dict(bootstrap_servers=self.servers(), request_timeout_ms=self.request_timeout_ms)
         return self._connect(KafkaAdminClient, options)
 
+    def security_options(self) -> dict[str, Any]:
+        """kafka-python's arguments for the configured protocol (none for PLAINTEXT)."""
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL_"):
+            assert self.sasl_password is not None  # checked by _security_is_complete
+            options.update(sasl_mechanism=self.sasl_mechanism,
+                           sasl_plain_username=self.sasl_username,
+                           sasl_plain_password=self.sasl_password.get_secret_value())
+        if self.security_protocol.endswith("SSL"):
+            options["ssl_check_hostname"] = self.ssl_check_hostname
+            for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+                if getattr(self, name) is not None:
+                    options[name] = str(getattr(self, name))
+            if self.ssl_key_password is not None:
+                options["ssl_password"] = self.ssl_key_password.get_secret_value()
+        return options
+
     def _connect(self, client: type, options: dict[str, Any]) -> Any:
         options.setdefault("bootstrap_timeout_ms", self.bootstrap_timeout_ms)
-        try:
-            return client(**options)
-        except KafkaError as err:
-            raise BrokerUnavailableError(
-                f"no Kafka broker answers at {self.bootstrap_servers} ({type(err).__name__})"
-            ) from None
+        options.update(self.security_options())
+        with _connection_errors() as seen:
+            try:
+                return client(**options)
+            except KafkaError as err:
+                reason = self._explain(seen)
+                if reason is None:
+                    raise BrokerUnavailableError(
+                        f"no Kafka broker answers at {self.bootstrap_servers} "
+                        f"({type(err).__name__})"
+                    ) from None
+                raise BrokerUnavailableError(
+                    f"cannot connect to Kafka at {self.bootstrap_servers}: {reason}"
+                ) from None
+
+    def _explain(self, seen: list[str]) -> str | None:
+        """Why bootstrapping failed, from what kafka-python logged while it tried."""
+        text = " ".join(seen)
+        if "SaslAuthenticationFailed" in text:
+            return (f"SASL {self.sasl_mechanism} login of user {self.sasl_username!r} was "
+                    "refused (wrong username or password?)")
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            reason = text.split("certificate verify failed:", 1)[-1].split("(_ssl", 1)[0].strip()
+            ca = self.ssl_cafile or "the system's CA bundle"
+            return f"the broker's TLS certificate is not trusted by {ca} ({reason})"
+        if any(sign in text for sign in _NOT_TLS_SIGNS):
+            return (f"the broker does not speak TLS on that port (security_protocol "
+                    f"{self.security_protocol})")
+        if self.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT") and (
+            _TLS_ALERT_FRAME in text or "socket disconnected" in text
+        ):
+            return (f"the broker closed the connection: it may expect TLS "
+                    f"(security_protocol is {self.security_protocol}; try SSL or SASL_SSL)")
+        return None
 
     def ensure_topics(self) -> Topics:
         """Create the contract topics with the configured partition counts if missing."""
@@ -136,3 +257,59 @@ class KafkaSettings(BaseModel):
         finally:
             admin.close()
         return topics
+
+
+# What an SSL handshake with a plaintext listener fails with (OpenSSL 3 wording varies).
+_NOT_TLS_SIGNS = ("WRONG_VERSION_NUMBER", "record layer failure", "UNEXPECTED_EOF_WHILE_READING")
+# A TLS alert record (0x15 0x03 0x03 ...) read as a Kafka frame length: a plaintext client
+# talking to a TLS listener.
+_TLS_ALERT_FRAME = f"Invalid frame length: {int.from_bytes(bytes([0x15, 0x03, 0x03, 0x00]), 'big')}"
+
+
+def security_from_env(env: Mapping[str, str], *, skip: Any = ()) -> dict[str, Any]:
+    """The security settings given as `ROLLOUTLAKE_KAFKA_<FIELD>` (or `<FIELD>_FILE`)."""
+    found: dict[str, Any] = {}
+    for name in SECURITY_FIELDS:
+        if name in skip:
+            continue
+        key = SECURITY_ENV_PREFIX + name.upper()
+        if env.get(key):
+            found[name] = env[key]
+        elif name in SECRET_FIELDS and env.get(key + "_FILE"):
+            path = Path(env[key + "_FILE"])
+            try:
+                found[name] = path.read_text().strip()
+            except OSError as err:
+                raise ValueError(f"{key}_FILE: cannot read {path}: {err.strerror}") from None
+    return found
+
+
+class _ConnectionErrorLog(logging.Handler):
+    """Keeps what kafka-python logs (from its network thread) while a client bootstraps."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def _connection_errors() -> Iterator[list[str]]:
+    """kafka-python only says 'unable to bootstrap'; why is in the lines it logs meanwhile.
+
+    They go into the one-line error instead of the terminal: a failed bootstrap retries many
+    times a second. Clients are built at start-up, so little else is logged in the window.
+    """
+    kafka_log = logging.getLogger("kafka")
+    saved = kafka_log.level, kafka_log.propagate
+    collector = _ConnectionErrorLog()
+    kafka_log.addHandler(collector)
+    kafka_log.setLevel(min(kafka_log.getEffectiveLevel(), logging.WARNING))
+    kafka_log.propagate = False
+    try:
+        yield collector.messages
+    finally:
+        kafka_log.removeHandler(collector)
+        kafka_log.level, kafka_log.propagate = saved

@@ -14,7 +14,7 @@ class ProcessorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kafka: KafkaSettings = KafkaSettings()
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     lake: Annotated[str, Field(min_length=1)]
     """Lake root: a local folder or an object-store URI (s3://bucket/prefix)."""
     stages: Literal["all", "groups", "batches"] = "all"

@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -117,14 +116,13 @@ class Processor:
             self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
 
 
-def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
+def _batch_process(config: ProcessorConfig, parent_pid: int) -> None:
     """Entry point of the batch-stage child process (started with `spawn`)."""
     die_with_parent(parent_pid)  # no orphan stage lives on
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
-    processor = Processor(ProcessorConfig.model_validate(
-        {**config, "stages": "batches", "until_idle_s": None}))
+    processor = Processor(config.model_copy(update={"stages": "batches", "until_idle_s": None}))
     signal.signal(signal.SIGTERM, processor.drain)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     sys.exit(processor.run())
@@ -136,7 +134,8 @@ def run_split(config: ProcessorConfig) -> int:
     groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}))
     # delta-rs must not be forked: the child is spawned, a fresh interpreter.
     child = multiprocessing.get_context("spawn").Process(
-        target=_batch_process, args=(config.model_dump(mode="json"), os.getpid()),
+        # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
+        target=_batch_process, args=(config, os.getpid()),
         name="rolloutlake-batches",
     )
     child.start()
@@ -194,9 +193,12 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
+        message = first["msg"].removeprefix("Value error, ")
+        if first["loc"][-1:] in ((), ("kafka",)):  # a whole-model check names what it is about
+            raise ConfigError(message) from None
         field = str(first["loc"][-1])
         flag = "--until-idle" if field == "until_idle_s" else "--" + field.replace("_", "-")
-        raise ConfigError(f"{flag}: {first['msg']}") from None
+        raise ConfigError(f"{flag}: {message}") from None
 
 
 def run(args: argparse.Namespace) -> int:

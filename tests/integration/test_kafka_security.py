@@ -1,0 +1,197 @@
+"""Secured Kafka for real: Apache Kafka with a SASL_SSL listener, a CA made here, SCRAM users.
+
+The broker's certificate is signed by a CA this module creates with `openssl`; the SCRAM
+user is created with Kafka's own `kafka-configs` tool over the broker's internal listener.
+Right credentials carry a run through the processor into Delta; a wrong password, a wrong
+CA and plaintext to the TLS port are each refused with one line that says which.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ingest.broker import EmbeddedBroker, free_port
+from ingest.kafka_io import KafkaSettings
+from tests.integration.pipeline import event, publish, rows, sample
+
+SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
+PLAIN_USER, PLAIN_PASSWORD = "gateway", f"plain-{uuid.uuid4().hex}"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca(folder: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}", cwd=folder)
+
+
+def _make_broker_keystore(folder: Path) -> Path:
+    """A PEM keystore (unencrypted PKCS#8 key + certificate for 127.0.0.1) signed by `ca`."""
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key",
+             "-out", "broker.csr", "-subj", "/CN=localhost", cwd=folder)
+    (folder / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "broker.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "broker.pem",
+             cwd=folder)
+    _openssl("pkcs8", "-topk8", "-nocrypt", "-in", "broker.key", "-out", "broker.pk8",
+             cwd=folder)
+    keystore = folder / "keystore.pem"
+    keystore.write_text((folder / "broker.pk8").read_text() + (folder / "broker.pem").read_text())
+    return keystore
+
+
+@dataclass(frozen=True)
+class SecuredKafka:
+    broker: EmbeddedBroker
+    sasl_ssl: str
+    """`host:port` of the SASL_SSL listener."""
+    ca: Path
+    other_ca: Path
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """The ROLLOUTLAKE_KAFKA_* variables of the SCRAM user, with `overrides`."""
+        values = {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                  "sasl_username": SCRAM_USER, "sasl_password": SCRAM_PASSWORD,
+                  "ssl_cafile": str(self.ca), **overrides}
+        return {f"ROLLOUTLAKE_KAFKA_{key.upper()}": value for key, value in values.items()}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory) -> SecuredKafka:
+    folder = tmp_path_factory.mktemp("tls")
+    _make_ca(folder, "ca")
+    _make_ca(folder, "other-ca")
+    keystore = _make_broker_keystore(folder)
+    sasl_port = free_port()
+    plain_login = (f'org.apache.kafka.common.security.plain.PlainLoginModule required '
+                   f'user_{PLAIN_USER}="{PLAIN_PASSWORD}";')
+    scram_login = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+    broker = EmbeddedBroker(free_port(), engine="kafka", kafka_listeners={"SASL_SSL": sasl_port},
+                            kafka_properties={
+                                "sasl.enabled.mechanisms": "PLAIN,SCRAM-SHA-512",
+                                "listener.name.sasl_ssl.plain.sasl.jaas.config": plain_login,
+                                "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config":
+                                    scram_login,
+                                "ssl.keystore.type": "PEM",
+                                "ssl.keystore.location": str(keystore),
+                            })
+    with broker:
+        created = broker.kafka_tool(
+            "org.apache.kafka.tools.ConfigCommand", "--bootstrap-server",
+            broker.bootstrap_servers, "--alter", "--entity-type", "users", "--entity-name",
+            SCRAM_USER, "--add-config", f"SCRAM-SHA-512=[iterations=4096,password={SCRAM_PASSWORD}]",
+        )
+        assert created.returncode == 0, created.stderr
+        yield SecuredKafka(broker, f"127.0.0.1:{sasl_port}", folder / "ca.pem",
+                           folder / "other-ca.pem")
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ingest.cli", *args], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, **env})
+
+
+def _one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_scram_over_tls_carries_a_run_into_delta(secured, tmp_path):
+    """Processor (from the environment) and SDK (explicit settings) over SASL_SSL."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    sdk = KafkaSettings(bootstrap_servers=secured.sasl_ssl, topic_prefix=prefix,
+                        event_partitions=1, decision_partitions=1,
+                        security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+                        sasl_username=SCRAM_USER, sasl_password=SCRAM_PASSWORD,
+                        ssl_cafile=secured.ca)
+    sdk.ensure_topics()
+    run = "secured-run"
+    publish(sdk, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
+            [event("group_started", run, group_index=0, step=0, n_samples=2),
+             sample(run, 0, 0, reward=1.0), sample(run, 0, 1, reward=0.0)])
+    lake = tmp_path / "lake"
+    result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake", str(lake),
+                  "--topic-prefix", prefix, "--event-partitions", "1", "--until-idle", "3",
+                  env=secured.env())
+    assert result.returncode == 0, result.stderr
+    assert SCRAM_PASSWORD not in result.stderr + result.stdout
+    groups = rows(str(lake), "groups", run)
+    assert [(g["group_index"], g["decision"]) for g in groups] == [(0, "kept")]
+    assert [s["step"] for s in rows(str(lake), "steps", run)] == [0]
+
+
+def test_sasl_plain_over_tls_is_accepted(secured):
+    settings = KafkaSettings(bootstrap_servers=secured.sasl_ssl, security_protocol="SASL_SSL",
+                             sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
+                             sasl_password=PLAIN_PASSWORD, ssl_cafile=secured.ca)
+    admin = settings.admin()
+    try:
+        assert isinstance(admin.list_topics(), list)
+    finally:
+        admin.close()
+
+
+def test_wrong_password_is_one_line(secured, tmp_path):
+    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
+                          "--lake", str(tmp_path), env=secured.env(sasl_password="wrong")))
+    assert line == (f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
+                    f"SASL SCRAM-SHA-512 login of user '{SCRAM_USER}' was refused "
+                    "(wrong username or password?)")
+
+
+def test_wrong_ca_is_one_line(secured, tmp_path):
+    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
+                          "--lake", str(tmp_path), env=secured.env(ssl_cafile=str(secured.other_ca))))
+    assert line.startswith(f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
+                           f"the broker's TLS certificate is not trusted by {secured.other_ca}")
+
+
+def test_plaintext_to_the_tls_port_is_one_line(secured, tmp_path):
+    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
+                          "--lake", str(tmp_path), env={}))
+    assert line.startswith(f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
+                           "the broker closed the connection: it may expect TLS")
+
+
+def test_tls_to_the_plaintext_port_is_one_line(secured, tmp_path):
+    line = _one_line(_cli("process", "--bootstrap-servers", secured.broker.bootstrap_servers,
+                          "--lake", str(tmp_path), env=secured.env()))
+    assert "the broker does not speak TLS on that port" in line
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"ROLLOUTLAKE_KAFKA_SECURITY_PROTOCOL": "TLS"},
+     "rolloutlake process: ROLLOUTLAKE_KAFKA_SECURITY_PROTOCOL: Input should be 'PLAINTEXT', "
+     "'SSL', 'SASL_PLAINTEXT' or 'SASL_SSL'"),
+    ({"ROLLOUTLAKE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"},
+     "rolloutlake process: kafka security_protocol SASL_SSL needs sasl_mechanism, "
+     "sasl_username and sasl_password (sasl_mechanism is not set)"),
+    ({"ROLLOUTLAKE_KAFKA_SECURITY_PROTOCOL": "SSL", "ROLLOUTLAKE_KAFKA_SSL_CAFILE": "/nonexistent.pem"},
+     "rolloutlake process: kafka ssl_cafile: no such file: /nonexistent.pem"),
+    ({"ROLLOUTLAKE_KAFKA_SASL_PASSWORD_FILE": "/nonexistent"},
+     "rolloutlake process: ROLLOUTLAKE_KAFKA_SASL_PASSWORD_FILE: cannot read /nonexistent: "
+     "No such file or directory"),
+])
+def test_invalid_security_settings_name_their_variable(tmp_path, env, expected):
+    assert _one_line(_cli("process", "--lake", str(tmp_path), env=env)) == expected
+
+
+def test_password_from_a_file(tmp_path, monkeypatch):
+    secret = tmp_path / "password"
+    secret.write_text("from-a-file\n")
+    monkeypatch.setenv("ROLLOUTLAKE_KAFKA_SASL_PASSWORD_FILE", str(secret))
+    settings = KafkaSettings(security_protocol="SASL_SSL", sasl_mechanism="PLAIN",
+                             sasl_username="u")
+    assert settings.security_options()["sasl_plain_password"] == "from-a-file"
+    assert "from-a-file" not in repr(settings) + settings.model_dump_json()
