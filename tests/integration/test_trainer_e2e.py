@@ -100,6 +100,7 @@ def test_each_sealed_step_is_trained_once_and_recorded(reference_runs, stage):
         assert 0 <= row["pg_clipfrac"] <= 1
         assert row["pg_clipfrac"] == pytest.approx(row["pg_clipfrac_low"] + row["pg_clipfrac_high"])
         assert row["kl"] is None  # no reference model configured
+        assert row["log_ratio_clamped_tokens"] == 0  # rollout log-probs near the policy's
     assert 0 < rows[0]["entropy"] <= torch.log(torch.tensor(512.0)).item() + 1e-4
     weights = root / "out" / RUN / "weights"
     assert sorted(p.name for p in weights.iterdir()) == [f"step_{s:09d}" for s in (1, 2, 3)]
