@@ -154,3 +154,17 @@ def test_kill_during_step_2_then_restart_trains_each_step_once(reference_runs, t
     restarted = final_weights(tmp_path)
     for name in expected:
         torch.testing.assert_close(restarted[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_missing_batch_file_stops_the_trainer_with_one_line(tmp_path):
+    lake = seal_run(tmp_path)
+    for path in (tmp_path / "lake" / "training_batches").rglob("*.parquet"):
+        path.unlink()
+    process = start_trainer(tmp_path, 0)
+    assert process.wait(timeout=START_TIMEOUT_S) == 2
+    output = (tmp_path / "trainer.log").read_text()
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
+    assert len(errors) == 1
+    assert f"run {RUN} step 1" in errors[0] and "missing" in errors[0]
+    assert lake.read("trainer_steps").num_rows == 0
