@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -112,6 +114,43 @@ def test_replay_errors_are_one_line(simulated_lake, tmp_path):
                               "--filter", "no.such.fn"))
     assert line == ("rolloutlake replay: filter path 'no.such.fn': cannot import module "
                     "'no.such': No module named 'no'")
+
+
+def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--check", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "all 3 steps equal the original hashes" in result.stdout
+    assert list(scratch.iterdir()) == []
+    # An error after the temporary lake exists (the run has no events).
+    one_line_error(cli("replay", "--lake", simulated_lake, "--run", "nope", "--config",
+                       str(_config_file(tmp_path)), env=env))
+    assert list(scratch.iterdir()) == []
+
+
+def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # A filter that blocks, so Ctrl-C lands while the replay is deciding groups.
+    (tmp_path / "blocking_filter.py").write_text(
+        "import time\n\ndef keep(args, samples, **kw):\n    time.sleep(600)\n    return True\n")
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ingest.cli", "replay", "--lake", simulated_lake, "--run",
+         "cli-run", "--filter", "blocking_filter.keep"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(scratch.glob("replay-cli-run-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(scratch.glob("replay-cli-run-*")), "the replay never started"
+    time.sleep(1)  # inside the blocking filter by now
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert list(scratch.iterdir()) == []
 
 
 def _config_file(tmp_path):
