@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,12 +28,43 @@ from deltalake import (
     write_deltalake,
 )
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
+from schemas.errors import ConfigError
 from schemas.tables import TABLES, TableSpec
 
 log = logging.getLogger(__name__)
 
 MAX_COMMIT_RETRIES = 10
+
+
+# delta-rs turns a lake root into a URL: `^ [ ] |` make it panic, `\` and `%xx` make it
+# read or write another path than the one given. Such roots are refused up front.
+UNSAFE_PATH_CHARS = frozenset("^[]|\\%")
+
+
+def lake_path_problem(root: str) -> str | None:
+    """Why Delta cannot hold a lake at `root` (one line naming the path), or None."""
+    bad = sorted({c for c in root if c in UNSAFE_PATH_CHARS or not c.isprintable()})
+    if not bad:
+        return None
+    shown = " ".join(repr(c) for c in bad)
+    return (
+        f"lake path {root!r} contains {shown}, which Delta Lake cannot address; "
+        "use a path without them"
+    )
+
+
+def _checked_lake_path(root: str) -> str:
+    problem = lake_path_problem(root)
+    if problem is not None:
+        raise PydanticCustomError("lake_path", "{problem}", {"problem": problem})
+    return root
+
+
+LakePath = Annotated[str, Field(min_length=1), AfterValidator(_checked_lake_path)]
+"""A config field holding a lake root (local folder or s3:// URI), checked as `Lake` does."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +79,9 @@ class Lake:
     """A folder of Delta tables named after `schemas.tables.TABLES`."""
 
     def __init__(self, root: str | Path, storage_options: Mapping[str, str] | None = None):
+        problem = lake_path_problem(str(root))
+        if problem is not None:
+            raise ConfigError(problem)
         self.root = str(root).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self._tables: dict[str, DeltaTable] = {}

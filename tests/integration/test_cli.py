@@ -69,6 +69,21 @@ def test_invalid_simulation_setting_names_the_flag():
     assert line.startswith("rolloutlake simulate: --abort-rate:")
 
 
+@pytest.mark.parametrize("command", [
+    ["process", "--bootstrap-servers", "127.0.0.1:1", "--lake", "{lake}"],
+    ["gateway", "--lake", "{lake}", "--port", "0"],
+    ["trainer", "--lake", "{lake}", "--run", "r1", "--deepspeed", "ds.json"],
+    ["replay", "--lake", "{lake}", "--run", "r1"],
+    ["audit", "--lake", "{lake}", "--run", "r1", "--group", "0"],
+])
+def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
+    lake = str(tmp_path / "lake^1")  # delta-rs panics on it
+    line = one_line_error(cli(*[arg.format(lake=lake) for arg in command]))
+    assert line.startswith(f"rolloutlake {command[0]}: ")
+    assert f"lake path {lake!r} contains '^'" in line
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
 def test_schemas_export(tmp_path):
     result = cli("schemas", "--json-schema", str(tmp_path))
     assert result.returncode == 0
