@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,52 @@ LakePath = Annotated[str, Field(min_length=1), AfterValidator(_checked_lake_path
 """A config field holding a lake root (local folder or s3:// URI), checked as `Lake` does."""
 
 
+# Object-store settings read from the environment, as the AWS tools name them.
+OBJECT_STORE_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ALLOW_HTTP",
+    "AWS_PROFILE",
+    "AWS_CONDITIONAL_PUT",
+    "AWS_S3_ALLOW_UNSAFE_RENAME",
+)
+UNSAFE_RENAME = "AWS_S3_ALLOW_UNSAFE_RENAME"
+
+
+def lake_storage_options(
+    root: str, explicit: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The delta-rs storage options of a lake: {} for a local one; for s3:// the AWS_*
+    environment, then `explicit` on top, with conditional put on.
+
+    Several writers share each table (both stages' dead letters, a second instance), so a
+    commit must be put-if-absent: `AWS_CONDITIONAL_PUT=etag` (S3, MinIO, R2) makes a
+    second writer of the same log version fail and retry instead of overwriting it. The
+    unsafe-rename mode, which can lose such a commit, is refused.
+    """
+    if not root.startswith(("s3://", "s3a://")):
+        return dict(explicit or {})
+    env = os.environ if environ is None else environ
+    options = {name: env[name] for name in OBJECT_STORE_ENV if env.get(name)}
+    options.update(explicit or {})
+    # delta-rs reads option names case-insensitively, with or without the AWS_ prefix.
+    names = {name.upper().removeprefix("AWS_"): name for name in options}
+    unsafe = names.get(UNSAFE_RENAME.removeprefix("AWS_"))
+    if unsafe is not None and options[unsafe].strip().lower() in ("true", "1", "yes"):
+        raise ConfigError(
+            f"{UNSAFE_RENAME} is set: with several writers per table it can lose commits; "
+            "unset it (the lake commits with AWS_CONDITIONAL_PUT=etag)"
+        )
+    if "CONDITIONAL_PUT" not in names:
+        options["AWS_CONDITIONAL_PUT"] = "etag"
+    return options
+
+
 @dataclass(frozen=True)
 class TxnMark:
     """One source position a commit covers: `app_id` advanced to `version`."""
@@ -83,7 +130,7 @@ class Lake:
         if problem is not None:
             raise ConfigError(problem)
         self.root = str(root).rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = lake_storage_options(self.root, storage_options)
         self._tables: dict[str, DeltaTable] = {}
 
     def uri(self, table: str) -> str:
