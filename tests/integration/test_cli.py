@@ -84,6 +84,18 @@ def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written anywhere
 
 
+@pytest.mark.slow
+def test_demo_keeps_kafka_client_noise_out_of_the_terminal(tmp_path):
+    lake = tmp_path / "demo-lake"
+    result = cli("demo", "--steps", "1", "--groups", "2", "--n-samples", "2", "--lake", str(lake),
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sealed steps" in result.stdout
+    noise = [ln for ln in result.stderr.splitlines() if "kafka." in ln or "ECONNREFUSED" in ln]
+    assert noise == []
+    assert Lake(str(lake)).exists("steps")
+
+
 def test_schemas_export(tmp_path):
     result = cli("schemas", "--json-schema", str(tmp_path))
     assert result.returncode == 0
