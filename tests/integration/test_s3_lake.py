@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from gateway.datasets import DatasetOptions, DatasetStore
 from ingest.broker import free_port
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake, TxnMark
@@ -173,3 +174,20 @@ def test_two_instances_on_an_s3_lake_write_exactly_once(broker, s3_env, tmp_path
     assert _table(got, "events", ["event_id"]) == _table(reference, "events", ["event_id"])
     dead = got.read("dead_letters").num_rows
     assert dead == reference.read("dead_letters").num_rows > 0
+
+
+def test_gateway_datasets_use_the_lake_options_on_s3(s3_env, tmp_path, monkeypatch):
+    """The dataset store reaches S3 through the same options as `Lake` (the AWS_*
+    environment), so datasets live next to the tables, versioned."""
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    store = DatasetStore(f"s3://{BUCKET}/gateway-lake", tmp_path, tokenizers={},
+                         line_limit=1 << 20)
+    assert store.storage_options["AWS_CONDITIONAL_PUT"] == "etag"
+    upload = tmp_path / "prompts.jsonl"
+    for version, prompts in enumerate((["a", "b"], ["c", "d", "e"])):
+        upload.write_text("".join(orjson.dumps({"input": p}).decode() + "\n" for p in prompts))
+        report = store.ingest("math", upload, "jsonl", DatasetOptions())
+        assert (report.version, report.rows_kept) == (version, len(prompts))
+    assert store.table("math", 0).to_pyarrow_dataset().count_rows() == 2
+    assert store.table("math").to_pyarrow_dataset().count_rows() == 3
