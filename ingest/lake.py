@@ -59,13 +59,19 @@ def lake_path_problem(root: str) -> str | None:
 
 def _checked_lake_path(root: str) -> str:
     problem = lake_path_problem(root)
+    if problem is None:
+        try:
+            lake_storage_options(root)
+        except ConfigError as err:
+            problem = str(err)
     if problem is not None:
         raise PydanticCustomError("lake_path", "{problem}", {"problem": problem})
     return root
 
 
 LakePath = Annotated[str, Field(min_length=1), AfterValidator(_checked_lake_path)]
-"""A config field holding a lake root (local folder or s3:// URI), checked as `Lake` does."""
+"""A config field holding a lake root (local folder or s3:// URI), checked as `Lake` does:
+the path, and for S3 the storage options the environment gives it."""
 
 
 # Object-store settings read from the environment, as the AWS tools name them.

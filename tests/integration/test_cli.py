@@ -69,13 +69,26 @@ def test_invalid_simulation_setting_names_the_flag():
     assert line.startswith("rolloutlake simulate: --abort-rate:")
 
 
-@pytest.mark.parametrize("command", [
+LAKE_COMMANDS = [
     ["process", "--bootstrap-servers", "127.0.0.1:1", "--lake", "{lake}"],
     ["gateway", "--lake", "{lake}", "--port", "0"],
     ["trainer", "--lake", "{lake}", "--run", "r1", "--deepspeed", "ds.json"],
     ["replay", "--lake", "{lake}", "--run", "r1"],
     ["audit", "--lake", "{lake}", "--run", "r1", "--group", "0"],
-])
+]
+
+
+@pytest.mark.parametrize("command", LAKE_COMMANDS)
+def test_unsafe_s3_commits_are_refused_at_start(command):
+    env = {"AWS_S3_ALLOW_UNSAFE_RENAME": "true", "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+           "AWS_REGION": "us-east-1"}
+    line = one_line_error(cli(*[arg.format(lake="s3://bucket/lake") for arg in command],
+                              env=env))
+    assert line.startswith(f"rolloutlake {command[0]}: ")
+    assert "AWS_S3_ALLOW_UNSAFE_RENAME is set" in line
+
+
+@pytest.mark.parametrize("command", LAKE_COMMANDS)
 def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
     lake = str(tmp_path / "lake^1")  # delta-rs panics on it
     line = one_line_error(cli(*[arg.format(lake=lake) for arg in command]))
