@@ -30,12 +30,6 @@ class RequestFieldError(BaseModel):
     type: str
 
 
-class RequestValidationBody(BaseModel):
-    """FastAPI's answer to a path, query or JSON body that fails its declared schema."""
-
-    detail: list[RequestFieldError]
-
-
 class InvalidRequestBody(BaseModel):
     """A 422: either the declared schema failed (`detail` is a list) or a rule checked by
     the route did (`detail` is one line naming the field)."""
