@@ -11,6 +11,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -100,4 +101,35 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(LimitBody, limit=config.body_limit_bytes,
                        dataset_limit=config.dataset_limit_bytes)
     app.add_middleware(ObserveRequests, metrics=metrics)
+    _document_configured_limits(app, config)
     return app
+
+
+PROMPTS_PATH = "/v1/runs/{run_id}/prompts"
+DATASET_UPLOAD_PATH = "/v1/datasets/{name}"
+
+
+def _document_configured_limits(app: FastAPI, config: GatewayConfig) -> None:
+    """Make /openapi.json state the limits this gateway enforces from its config (the
+    routes are declared once, for any config): the most prompt groups per request and
+    the body size behind each 413."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        for param in schema["paths"][PROMPTS_PATH]["post"]["parameters"]:
+            if param["name"] == "count":
+                param["schema"]["maximum"] = config.max_prompts_per_request
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                too_large = operation.get("responses", {}).get("413")
+                if too_large is not None:
+                    limit = (config.dataset_limit_bytes
+                             if (path, method) == (DATASET_UPLOAD_PATH, "post")
+                             else config.body_limit_bytes)
+                    too_large["description"] += f" Limit: {limit} bytes."
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ingest.kafka_io import KafkaSettings
+from ingest.lake import LakePath
 from schemas.errors import ConfigError
 
 TOKENS_ENV = "ROLLOUTLAKE_GATEWAY_TOKENS"
@@ -52,7 +53,7 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
-    lake_root: Annotated[str, Field(min_length=1)] = "./lake"
+    lake_root: LakePath = "./lake"
     """Delta lake root (local folder or s3:// URI); datasets live under `datasets/`."""
     state_dir: Path = Path("./gateway-state")
     """Local folder for the accepted-event-id log and dataset upload spool files."""

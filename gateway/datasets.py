@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
+from ingest.lake import lake_storage_options
 from schemas.tables import DATASET_ROWS
 
 DATASET_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
@@ -197,6 +198,9 @@ class DatasetStore:
     def __init__(self, lake_root: str, spool_dir: Path, *, tokenizers: dict[str, Path],
                  line_limit: int):
         self.root = f"{lake_root.rstrip('/')}/datasets"
+        # The lake's options (AWS_* environment, conditional put on S3): two gateways may
+        # upload the same dataset at once.
+        self.storage_options = lake_storage_options(lake_root) or None
         self.spool_dir = spool_dir
         self.tokenizer_paths = tokenizers
         self.line_limit = line_limit
@@ -211,7 +215,7 @@ class DatasetStore:
     def table(self, name: str, version: int | None = None) -> DeltaTable | None:
         """The dataset's Delta table at `version` (latest if None); None if either is unknown."""
         try:
-            dt = DeltaTable(self.uri(name))
+            dt = DeltaTable(self.uri(name), storage_options=self.storage_options)
         except TableNotFoundError:
             return None
         if version is not None:
@@ -346,5 +350,6 @@ class DatasetStore:
             reader = pa.RecordBatchReader.from_batches(DATASET_ROWS.schema, batches)
             meta = {"rolloutlake.dataset_options": orjson.dumps(opts.__dict__).decode()}
             write_deltalake(self.uri(name), reader, mode="overwrite",
-                            commit_properties=CommitProperties(custom_metadata=meta))
-            return DeltaTable(self.uri(name)).version()
+                            commit_properties=CommitProperties(custom_metadata=meta),
+                            storage_options=self.storage_options)
+            return DeltaTable(self.uri(name), storage_options=self.storage_options).version()

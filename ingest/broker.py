@@ -111,6 +111,13 @@ def _answers(bootstrap: str) -> bool:
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    # A plain connect first: kafka-python logs every refused connection as an ERROR,
+    # which would reach the user's terminal while the broker is still starting.
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
     try:
         admin = KafkaAdminClient(
             bootstrap_servers=bootstrap, request_timeout_ms=2000, bootstrap_timeout_ms=5000

@@ -8,6 +8,7 @@ one row per sealed step and where the tables are.
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from pathlib import Path
@@ -71,6 +72,10 @@ def step_table(lake: Lake, run_id: str) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The demo owns its broker, and a failure there surfaces as a processor or simulator
+    # error it reports; kafka-python's own records (slow-poll warnings on a busy machine,
+    # reconnects) would only clutter the terminal the demo draws in.
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
     console = Console(width=None if Console().is_terminal else 120)
     root = args.lake or Path("lake") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_id = "demo"

@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="another dynamic_sampling_filter_path ('none' for no filter)")
     parser.add_argument("--rollout-batch-size", type=int)
     parser.add_argument("--reward-key")
-    parser.add_argument("--out", help="lake to write the derived tables to (default: a temp dir)")
+    parser.add_argument("--out", help="lake to write the derived tables to (default: a temporary "
+                                      "one, removed when replay ends)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every re-derived step hash equals the original")
 
@@ -157,20 +158,29 @@ def _config(args: argparse.Namespace, source: Lake) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ingest.demo import step_table
-
     source = Lake(args.lake)
     if not source.exists("events"):
         raise RolloutlakeError(f"no events table under {args.lake}")
     config = _config(args, source)
     load_filter(config.resolved_filter_path)  # fail before any work on a bad path
-    out_root = args.out or tempfile.mkdtemp(prefix=f"replay-{args.run}-")
-    out = Lake(out_root)
+    if args.out is not None:
+        return _replay_into(source, Lake(args.out), args, config, kept=True)
+    # Without --out the derived tables are only for the report and the check: removed on
+    # every exit, an error or Ctrl-C included.
+    with tempfile.TemporaryDirectory(prefix=f"replay-{args.run}-") as out_root:
+        return _replay_into(source, Lake(out_root), args, config, kept=False)
+
+
+def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, config: RunConfig,
+                 *, kept: bool) -> int:
+    from ingest.demo import step_table
+
     started = time.monotonic()
     write_effects(out, args.run, replay_run(source, args.run, config))
     console = Console()
     console.print(step_table(out, args.run))
-    console.print(f"re-derived in {time.monotonic() - started:.1f} s into {out_root}")
+    where = f"into {out.root}" if kept else "(pass --out DIR to keep the tables)"
+    console.print(f"re-derived in {time.monotonic() - started:.1f} s {where}")
     if not args.check:
         return 0
     original = {r["step"]: r["content_sha256"]

@@ -210,6 +210,8 @@ TRAINER_STEPS = TableSpec(
             _f("seconds", pa.float64(), False),  # forward, backward and optimizer step
             _f("update", pa.int64(), False),  # optimizer updates so far (weights version)
             _f("trained_at", UTC_MICROS, False),
+            # loss tokens whose |logp - old_logp| exceeded the bound and was clamped
+            _f("log_ratio_clamped_tokens", pa.int64()),
         ]
     ),
     key=("run_id", "step"),

@@ -99,9 +99,16 @@ def read_run_step(
 def read_sealed_rows(lake: Lake, sealed: SealedStep) -> pa.Table:
     """The step's `training_batches` rows at its recorded version, in position order, with
     row count and positions checked; `load_step` adds the content hash."""
-    rows = read_run_step(
-        lake, TRAINING_BATCHES.name, sealed.run_id, sealed.step, version=sealed.batch_version
-    )
+    try:
+        rows = read_run_step(
+            lake, TRAINING_BATCHES.name, sealed.run_id, sealed.step, version=sealed.batch_version
+        )
+    except FileNotFoundError as exc:
+        # The log names a data file that is gone (deleted, vacuumed, a partial copy): the
+        # recorded batch cannot be read, which is a verification failure, not a crash.
+        raise BatchVerificationError(
+            f"{_where(sealed)}: a data file of the recorded batch is missing ({exc})"
+        ) from None
     positions = rows.column("position").to_numpy()
     # Files come back in commit order, usually already sorted; sorting copies every list
     # column, so it only happens when needed.

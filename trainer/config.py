@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ingest.lake import LakePath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
 
@@ -27,7 +28,7 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    lake: str = Field(min_length=1)
+    lake: LakePath
     """Root of the Delta lake (local folder or s3:// URI) the processor writes."""
     run_id: RunId
     """The run whose sealed steps are trained."""

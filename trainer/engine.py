@@ -330,6 +330,7 @@ class Trainer:
             "pg_clipfrac_low": stats["pg_clipfrac_low"],
             "pg_clipfrac_high": stats["pg_clipfrac_high"],
             "ppo_kl": stats["ppo_kl"],
+            "log_ratio_clamped_tokens": int(stats["log_ratio_clamped_tokens"]),
             "kl": stats.get("kl_loss"),
             "entropy": stats["entropy_loss"],
             "grad_norm": float(grad_norm),

@@ -17,6 +17,10 @@ from trainer.reducers import ReducerFactory, StepReduction
 
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 
+# Bound on |logp - old_logp| before exp, as in Miles: exp(20) ~ 4.9e8 keeps one stale or
+# -inf old log-prob from overflowing the step's loss.
+LOG_RATIO_BOUND = 20.0
+
 
 @dataclass(frozen=True)
 class LossSettings:
@@ -38,6 +42,7 @@ class PolicyLossTerms:
     clipped_low: Tensor
     clipped_high: Tensor
     ppo_kl: Tensor
+    log_ratio_clamped: Tensor
 
 
 def ppo_clip_loss(
@@ -53,10 +58,12 @@ def ppo_clip_loss(
 
     The lower bound binds only for A < 0 (r below 1-eps_clip), the upper one only for A > 0
     (r above 1+eps_clip_high), so `clipped` = `clipped_low` + `clipped_high`. Dual clip
-    caps the loss of negative advantages at -eps_clip_c·A.
+    caps the loss of negative advantages at -eps_clip_c·A. The log-ratio is clamped to
+    ±LOG_RATIO_BOUND before exp (`log_ratio_clamped` marks those tokens) and `ppo_kl`
+    is 0 where it is not finite.
     """
     log_ratio = log_probs - old_log_probs
-    ratio = log_ratio.exp()
+    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
     pg_loss = torch.maximum(unclipped, clipped)
@@ -69,20 +76,29 @@ def ppo_clip_loss(
         clipped=(clipped > unclipped).float(),
         clipped_low=((ratio < 1 - eps_clip) & (advantages < 0)).float(),
         clipped_high=((ratio > 1 + eps_clip_high) & (advantages > 0)).float(),
-        ppo_kl=-log_ratio.detach(),
+        ppo_kl=torch.where(log_ratio.isfinite(), -log_ratio, 0.0).detach(),
+        log_ratio_clamped=(log_ratio.detach().abs() > LOG_RATIO_BOUND).float(),
     )
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: KlType) -> Tensor:
-    """Per-token KL estimate of the policy to the reference, lr = logp - ref_logp."""
+    """Per-token KL estimate of the policy to the reference, lr = logp - ref_logp; 0 where
+    the estimate is not finite (an -inf reference log-prob, k3 overflowing), as in Miles."""
+
+    def estimate(lr: Tensor) -> Tensor:
+        if kind == "k1":
+            return lr
+        if kind == "k2":
+            return lr.square() / 2
+        kl = (-lr).exp() - 1 + lr
+        # low_var_kl is k3 clamped, which keeps one outlier token from dominating the step.
+        return kl.clamp(-10, 10) if kind == "low_var_kl" else kl
+
     lr = log_probs - ref_log_probs
-    if kind == "k1":
-        return lr
-    if kind == "k2":
-        return lr.square() / 2
-    kl = (-lr).exp() - 1 + lr
-    # low_var_kl is k3 clamped, which keeps one outlier token from dominating the step.
-    return kl.clamp(-10, 10) if kind == "low_var_kl" else kl
+    bad = ~estimate(lr.detach()).isfinite()
+    # Zeroing lr first keeps the gradient at those tokens 0, not inf·0 = NaN.
+    kl = estimate(torch.where(bad, torch.zeros_like(lr), lr))
+    return torch.where(bad, torch.zeros_like(kl), kl)
 
 
 def token_log_probs(
@@ -147,6 +163,8 @@ def micro_batch_loss(
         "pg_clipfrac_low": reduce(terms.clipped_low),
         "pg_clipfrac_high": reduce(terms.clipped_high),
         "ppo_kl": reduce(terms.ppo_kl),
+        # A count, not a share: how many loss tokens hit the log-ratio bound this step.
+        "log_ratio_clamped_tokens": (terms.log_ratio_clamped * loss_mask).sum(),
         "entropy_loss": entropy_loss.detach(),
     }
     if ref_log_probs is not None:

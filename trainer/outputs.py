@@ -34,6 +34,7 @@ WANDB_KEYS = {
     "pg_clipfrac_low": "train/pg_clipfrac_low",
     "pg_clipfrac_high": "train/pg_clipfrac_high",
     "ppo_kl": "train/ppo_kl",
+    "log_ratio_clamped_tokens": "train/log_ratio_clamped_tokens",
     "kl": "train/kl_loss",
     "entropy": "train/entropy_loss",
     "grad_norm": "train/grad_norm",

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from gateway.deps import LakeDep, PrincipalDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
+from gateway.responses import AUTH, errors
 from gateway.routes.stream import feeds_of
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -52,7 +53,7 @@ class RunSummary(BaseModel):
     last_sealed_at: str
 
 
-@router.get("/v1/dashboard/runs")
+@router.get("/v1/dashboard/runs", responses=errors(401))
 def list_dashboard_runs(lake: LakeDep, principal: PrincipalDep) -> list[RunSummary]:
     """Runs with sealed steps that the token may read, most recently sealed first."""
     if not lake.exists("steps"):
@@ -78,7 +79,7 @@ class LengthHistogram(BaseModel):
     n: dict[str, int]
 
 
-@router.get("/v1/runs/{run_id}/response-lengths")
+@router.get("/v1/runs/{run_id}/response-lengths", responses=errors(*AUTH, 422))
 async def get_response_lengths(
     run_id: RunIdPath, request: Request, lake: LakeDep, _: ReadRun,
     last_steps: Annotated[int | None, Query(ge=1, description="only the latest N steps")] = None,

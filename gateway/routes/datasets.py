@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from gateway.datasets import (
+    SLICE,
     DatasetError,
     DatasetOptions,
     DatasetStore,
@@ -24,6 +25,7 @@ from gateway.datasets import (
 )
 from gateway.deps import INT64_MAX, ConfigDep, DatasetNamePath, DatasetsDep, ReadGlobal, WriteGlobal
 from gateway.errors import ApiError
+from gateway.responses import AUTH, errors
 
 router = APIRouter(tags=["datasets"])
 
@@ -102,11 +104,12 @@ async def _spool_upload(request: Request, target: Path, filename: str | None) ->
     return filename
 
 
-@router.post("/v1/datasets/{name}", status_code=201, openapi_extra=_UPLOAD_DOC, responses={
-    413: {"description": "Upload over the dataset size limit."},
-    415: {"description": "Not a .jsonl or .parquet file."},
-    422: {"description": "No usable rows, bad options, or an unknown tokenizer."},
-})
+@router.post("/v1/datasets/{name}", status_code=201, openapi_extra=_UPLOAD_DOC,
+             responses=errors(*AUTH, described={
+                 413: "Upload over the configured dataset size limit.",
+                 415: "Not a .jsonl or .parquet file.",
+                 422: "No usable rows, bad options, or an unknown tokenizer.",
+             }))
 async def upload_dataset(
     name: DatasetNamePath, request: Request, _: WriteGlobal, config: ConfigDep,
     datasets: DatasetsDep,
@@ -114,7 +117,8 @@ async def upload_dataset(
     label_key: str | None = None,
     metadata_key: str = "metadata",
     tool_key: str | None = "tools",
-    slice: Annotated[str | None, Query(description="`@[start:end]`, negative bounds allowed.")] = None,
+    slice: Annotated[str | None, Query(description="`@[start:end]`, negative bounds allowed.",
+                                       json_schema_extra={"pattern": SLICE.pattern})] = None,
     max_prompt_len: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
     tokenizer: Annotated[str | None, Query(description="Configured tokenizer name; "
                                            "without it max_prompt_len counts characters.")] = None,
@@ -165,7 +169,8 @@ def _table_or_404(datasets: DatasetStore, name: str, version: int | None) -> Del
     return table
 
 
-@router.get("/v1/datasets/{name}", responses={404: {"description": "Unknown dataset/version."}})
+@router.get("/v1/datasets/{name}",
+            responses=errors(*AUTH, 422, described={404: "Unknown dataset/version."}))
 def get_dataset(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
                 version: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None) -> DatasetInfo:
     """A dataset's version (latest, or `version`), row count and upload history."""
@@ -179,7 +184,8 @@ def get_dataset(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
                        rows=table.to_pyarrow_dataset().count_rows(), history=history)
 
 
-@router.get("/v1/datasets/{name}/rows", responses={404: {"description": "Unknown dataset/version."}})
+@router.get("/v1/datasets/{name}/rows",
+            responses=errors(*AUTH, 422, described={404: "Unknown dataset/version."}))
 def get_dataset_rows(name: DatasetNamePath, _: ReadGlobal, datasets: DatasetsDep,
                      version: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
                      offset: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,

@@ -15,6 +15,7 @@ from gateway.deps import MetricsDep, PrincipalDep, ProducerDep, RecentIdsDep, re
 from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer, Record
+from gateway.responses import AUTH, errors
 from ingest.kafka_io import MAX_EVENT_BYTES
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import AnyEvent, encode_event, event_group_key, parse_event
@@ -131,9 +132,10 @@ def _validate_and_publish(items: list[Any], principal: Principal, producer: Gate
     status_code=202,
     openapi_extra=_BODY_DOC,
     responses={
-        413: {"description": "Body over the configured limit (default 64 MiB)."},
+        **errors(*AUTH, 413, described={
+            503: "Kafka unavailable (`Retry-After`); retry with the same event ids."}),
+        # The body is read by the route itself, so every 422 is this one.
         422: {"model": EventsRejected, "description": "Invalid events; none was published."},
-        503: {"description": "Kafka unavailable; retry with the same event ids."},
     },
 )
 async def publish_events(request: Request, principal: PrincipalDep, producer: ProducerDep,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.deps import INT64_MAX, ConfigDep, MetricsDep, PromptsDep, ReadRun, RunIdPath, WriteRun
 from gateway.errors import ApiError
+from gateway.responses import AUTH, errors
 
 router = APIRouter(tags=["prompts"])
 
@@ -58,17 +59,19 @@ class RecycleResult(BaseModel):
     cursor: PromptCursor
 
 
-_RUN_ERRORS = {
-    404: {"description": "Unknown run (or group, for recycling)."},
-    409: {"description": "The run has no dataset, or the cursor moved under another gateway."},
-    503: {"description": "Kafka unavailable; nothing was handed out."},
-}
+_RUN_ERRORS = errors(*AUTH, 422, described={
+    404: "Unknown run (or group, for recycling).",
+    409: "The run has no dataset, or the cursor moved under another gateway.",
+    503: "Kafka unavailable (`Retry-After`); nothing was handed out.",
+})
 
 
 @router.post("/v1/runs/{run_id}/prompts", responses=_RUN_ERRORS, response_model=PromptBatch)
 async def serve_prompts(
     run_id: RunIdPath, _: WriteRun, prompts: PromptsDep, config: ConfigDep, metrics: MetricsDep,
-    count: Annotated[int, Query(ge=1, le=INT64_MAX, description="Prompt groups wanted.")] = 1,
+    count: Annotated[int, Query(ge=1, le=INT64_MAX, description=(
+        "Prompt groups wanted, at most the gateway's `max_prompts_per_request` (the "
+        "document's maximum)."))] = 1,
     step: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="The step whose weights generate "
                                       "these groups; default: number of sealed steps.")] = None,
 ) -> Response:
@@ -91,7 +94,7 @@ async def serve_prompts(
     return Response(orjson.dumps(batch), media_type="application/json")
 
 
-@router.post("/v1/runs/{run_id}/prompts/recycle", responses=_RUN_ERRORS)
+@router.post("/v1/runs/{run_id}/prompts/recycle", responses={**_RUN_ERRORS, **errors(413)})
 async def recycle_prompts(run_id: RunIdPath, body: RecycleRequest, _: WriteRun,
                           prompts: PromptsDep) -> RecycleResult:
     """Put issued groups back (partial rollout): their prompts are served again first, as
@@ -100,8 +103,8 @@ async def recycle_prompts(run_id: RunIdPath, body: RecycleRequest, _: WriteRun,
         await prompts.recycle(run_id, body.group_indices))
 
 
-@router.get("/v1/runs/{run_id}/prompts/cursor",
-            responses={404: {"description": "No prompt served for this run yet."}})
+@router.get("/v1/runs/{run_id}/prompts/cursor", responses=errors(
+    *AUTH, 422, 503, described={404: "No prompt served for this run yet."}))
 async def get_prompt_cursor(run_id: RunIdPath, _: ReadRun, prompts: PromptsDep) -> PromptCursor:
     """Where the run's prompt stream stands: epoch, offset, next group index, recycle FIFO."""
     return PromptCursor.model_validate(await prompts.cursor(run_id))

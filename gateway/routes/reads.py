@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
+from gateway.responses import AUTH, errors
 from ingest.audit import GroupNotFound, group_audit
 from ingest.lake import Lake
 
@@ -78,7 +79,7 @@ def _manifest(lake: Lake, run_id: str, step: int) -> StepManifest:
 
 
 @router.get("/v1/runs/{run_id}/steps/{step}",
-            responses={404: {"description": "The step is not sealed."}})
+            responses=errors(*AUTH, 422, described={404: "The step is not sealed."}))
 async def get_step(run_id: RunIdPath, step: NonNegative, _: ReadRun,
                    lake: LakeDep) -> StepManifest:
     """The manifest of a sealed step, its training row count and its groups by decision."""
@@ -97,7 +98,7 @@ def _metrics(lake: Lake, run_id: str, since_step: int | None) -> RunMetrics:
                       steps=[StepMetrics(step=s, metrics=m) for s, m in steps.items()])
 
 
-@router.get("/v1/runs/{run_id}/metrics")
+@router.get("/v1/runs/{run_id}/metrics", responses=errors(*AUTH, 422))
 async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
                       since_step: Annotated[int | None, Query(
                           ge=-1, le=INT64_MAX, description="Only steps after this one.")] = None) -> RunMetrics:
@@ -115,8 +116,8 @@ def _audit(lake: Lake, run_id: str, group_index: int) -> GroupAudit:
                       training_rows=audit.training_rows)
 
 
-@router.get("/v1/runs/{run_id}/groups/{group_index}",
-            responses={404: {"description": "Nothing is known about the group yet."}})
+@router.get("/v1/runs/{run_id}/groups/{group_index}", responses=errors(
+    *AUTH, 422, described={404: "Nothing is known about the group yet."}))
 async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRun,
                           lake: LakeDep) -> GroupAudit:
     """Audit one group: its events in order, its decision and reason, its samples and the

@@ -20,6 +20,7 @@ from gateway.deps import (
     require,
 )
 from gateway.errors import ApiError
+from gateway.responses import AUTH, errors
 from gateway.runs import RunInfo
 from schemas.errors import EventValidationError
 from schemas.events import RunId, encode_event
@@ -55,11 +56,10 @@ def _out(info: RunInfo) -> RunOut:
                   first_started_at=info.first_started_at, event_id=info.event_id)
 
 
-@router.post("/v1/runs", status_code=201, responses={
-    403: {"description": "The token may not write this run."},
-    422: {"description": "Invalid config (the message names the field) or unknown dataset."},
-    503: {"description": "Kafka unavailable."},
-})
+@router.post("/v1/runs", status_code=201, responses=errors(401, 413, 503, described={
+    403: "The token may not write this run.",
+    422: "Invalid config (the message names the field) or unknown dataset.",
+}))
 async def start_run(body: RunCreate, principal: PrincipalDep, producer: ProducerDep,
                     datasets: DatasetsDep, runs: RunsDep) -> RunOut:
     """Start (or reconfigure) a run: validate its config and publish `run_started`.
@@ -90,13 +90,14 @@ async def start_run(body: RunCreate, principal: PrincipalDep, producer: Producer
     return await run_in_threadpool(publish)
 
 
-@router.get("/v1/runs")
+@router.get("/v1/runs", responses=errors(401, 503))
 def list_runs(principal: PrincipalDep, runs: RunsDep) -> list[RunOut]:
     """Every run announced on the runs topic that the token may read."""
     return [_out(info) for info in runs.all() if principal.allows("read", info.run_id)]
 
 
-@router.get("/v1/runs/{run_id}", responses={404: {"description": "Unknown run."}})
+@router.get("/v1/runs/{run_id}",
+            responses=errors(*AUTH, 422, 503, described={404: "Unknown run."}))
 def get_run(run_id: RunIdPath, _: ReadRun, runs: RunsDep) -> RunOut:
     """One run: its latest config and dataset."""
     info = runs.get(run_id)

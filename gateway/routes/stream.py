@@ -25,6 +25,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.deps import LakeDep, ReadRun, RunIdPath
+from gateway.responses import AUTH, errors
 from ingest.lake import Lake
 from ingest.tail import SealedStep, StepTail, TableTail
 
@@ -240,7 +241,7 @@ LastEventQuery = Annotated[
 ]
 
 
-@router.get("/v1/runs/{run_id}/metrics/stream")
+@router.get("/v1/runs/{run_id}/metrics/stream", responses=errors(*AUTH, 422))
 async def stream_metrics(
     run_id: RunIdPath, request: Request, lake: LakeDep, _: ReadRun,
     last_event_id: LastEventId = None, after: LastEventQuery = None,
@@ -261,7 +262,7 @@ async def stream_metrics(
     )
 
 
-@router.get("/v1/runs/{run_id}/decisions/stream")
+@router.get("/v1/runs/{run_id}/decisions/stream", responses=errors(*AUTH, 422))
 async def stream_groups(
     run_id: RunIdPath, request: Request, lake: LakeDep, _: ReadRun,
     last_event_id: LastEventId = None, after: LastEventQuery = None,

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ingest.kafka_io import KafkaSettings
+from ingest.lake import LakePath
 
 
 class ProcessorConfig(BaseModel):
@@ -15,7 +16,7 @@ class ProcessorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
-    lake: Annotated[str, Field(min_length=1)]
+    lake: LakePath
     """Lake root: a local folder or an object-store URI (s3://bucket/prefix)."""
     stages: Literal["all", "groups", "batches"] = "all"
     """Which stages this instance runs; `all` runs both in one process."""

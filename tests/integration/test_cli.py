@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,6 +69,46 @@ def test_invalid_simulation_setting_names_the_flag():
     assert line.startswith("rolloutlake simulate: --abort-rate:")
 
 
+LAKE_COMMANDS = [
+    ["process", "--bootstrap-servers", "127.0.0.1:1", "--lake", "{lake}"],
+    ["gateway", "--lake", "{lake}", "--port", "0"],
+    ["trainer", "--lake", "{lake}", "--run", "r1", "--deepspeed", "ds.json"],
+    ["replay", "--lake", "{lake}", "--run", "r1"],
+    ["audit", "--lake", "{lake}", "--run", "r1", "--group", "0"],
+]
+
+
+@pytest.mark.parametrize("command", LAKE_COMMANDS)
+def test_unsafe_s3_commits_are_refused_at_start(command):
+    env = {"AWS_S3_ALLOW_UNSAFE_RENAME": "true", "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+           "AWS_REGION": "us-east-1"}
+    line = one_line_error(cli(*[arg.format(lake="s3://bucket/lake") for arg in command],
+                              env=env))
+    assert line.startswith(f"rolloutlake {command[0]}: ")
+    assert "AWS_S3_ALLOW_UNSAFE_RENAME is set" in line
+
+
+@pytest.mark.parametrize("command", LAKE_COMMANDS)
+def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
+    lake = str(tmp_path / "lake^1")  # delta-rs panics on it
+    line = one_line_error(cli(*[arg.format(lake=lake) for arg in command]))
+    assert line.startswith(f"rolloutlake {command[0]}: ")
+    assert f"lake path {lake!r} contains '^'" in line
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+@pytest.mark.slow
+def test_demo_keeps_kafka_client_noise_out_of_the_terminal(tmp_path):
+    lake = tmp_path / "demo-lake"
+    result = cli("demo", "--steps", "1", "--groups", "2", "--n-samples", "2", "--lake", str(lake),
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sealed steps" in result.stdout
+    noise = [ln for ln in result.stderr.splitlines() if "kafka." in ln or "ECONNREFUSED" in ln]
+    assert noise == []
+    assert Lake(str(lake)).exists("steps")
+
+
 def test_schemas_export(tmp_path):
     result = cli("schemas", "--json-schema", str(tmp_path))
     assert result.returncode == 0
@@ -112,6 +154,43 @@ def test_replay_errors_are_one_line(simulated_lake, tmp_path):
                               "--filter", "no.such.fn"))
     assert line == ("rolloutlake replay: filter path 'no.such.fn': cannot import module "
                     "'no.such': No module named 'no'")
+
+
+def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--check", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "all 3 steps equal the original hashes" in result.stdout
+    assert list(scratch.iterdir()) == []
+    # An error after the temporary lake exists (the run has no events).
+    one_line_error(cli("replay", "--lake", simulated_lake, "--run", "nope", "--config",
+                       str(_config_file(tmp_path)), env=env))
+    assert list(scratch.iterdir()) == []
+
+
+def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # A filter that blocks, so Ctrl-C lands while the replay is deciding groups.
+    (tmp_path / "blocking_filter.py").write_text(
+        "import time\n\ndef keep(args, samples, **kw):\n    time.sleep(600)\n    return True\n")
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ingest.cli", "replay", "--lake", simulated_lake, "--run",
+         "cli-run", "--filter", "blocking_filter.keep"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(scratch.glob("replay-cli-run-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(scratch.glob("replay-cli-run-*")), "the replay never started"
+    time.sleep(1)  # inside the blocking filter by now
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert list(scratch.iterdir()) == []
 
 
 def _config_file(tmp_path):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
+from pydantic import BaseModel, ValidationError
 
-from ingest.lake import Lake, TxnMark
+from ingest.lake import Lake, LakePath, TxnMark
+from schemas.errors import ConfigError
 from schemas.tables import STEP_METRICS
 
 
@@ -59,3 +62,29 @@ def test_first_version_with_finds_the_commit_that_added_a_step(tmp_path):
     for step, version in versions.items():
         assert lake.first_version_with("step_metrics", f"run_id = 'r' AND step = {step}") == version
     assert lake.first_version_with("step_metrics", "run_id = 'r' AND step = 99") is None
+
+
+# Each of these makes delta-rs panic (^ [ ] |) or address another path (\\, %41 -> A).
+@pytest.mark.parametrize("char", ["^", "[", "]", "|", "\\", "%", "\n"])
+def test_lake_paths_delta_cannot_address_are_refused(tmp_path, char):
+    root = str(tmp_path / f"a{char}41b")
+    expected = (f"lake path {root!r} contains {char!r}, which Delta Lake cannot address; "
+                "use a path without them")
+    with pytest.raises(ConfigError) as raised:
+        Lake(root)
+    assert str(raised.value) == expected
+
+    class Config(BaseModel):
+        lake: LakePath
+
+    with pytest.raises(ValidationError) as invalid:
+        Config(lake=root)
+    assert invalid.value.errors()[0]["msg"] == expected
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("char", [" ", "#", "?", "{", "é", "'", "@", "~", ","])
+def test_other_punctuation_in_a_lake_path_round_trips(tmp_path, char):
+    root = tmp_path / f"a{char}b"
+    Lake(root).append("step_metrics", _metric(1))
+    assert Lake(root).read("step_metrics").num_rows == 1

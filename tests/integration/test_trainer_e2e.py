@@ -100,6 +100,7 @@ def test_each_sealed_step_is_trained_once_and_recorded(reference_runs, stage):
         assert 0 <= row["pg_clipfrac"] <= 1
         assert row["pg_clipfrac"] == pytest.approx(row["pg_clipfrac_low"] + row["pg_clipfrac_high"])
         assert row["kl"] is None  # no reference model configured
+        assert row["log_ratio_clamped_tokens"] == 0  # rollout log-probs near the policy's
     assert 0 < rows[0]["entropy"] <= torch.log(torch.tensor(512.0)).item() + 1e-4
     weights = root / "out" / RUN / "weights"
     assert sorted(p.name for p in weights.iterdir()) == [f"step_{s:09d}" for s in (1, 2, 3)]
@@ -153,3 +154,17 @@ def test_kill_during_step_2_then_restart_trains_each_step_once(reference_runs, t
     restarted = final_weights(tmp_path)
     for name in expected:
         torch.testing.assert_close(restarted[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_missing_batch_file_stops_the_trainer_with_one_line(tmp_path):
+    lake = seal_run(tmp_path)
+    for path in (tmp_path / "lake" / "training_batches").rglob("*.parquet"):
+        path.unlink()
+    process = start_trainer(tmp_path, 0)
+    assert process.wait(timeout=START_TIMEOUT_S) == 2
+    output = (tmp_path / "trainer.log").read_text()
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
+    assert len(errors) == 1
+    assert f"run {RUN} step 1" in errors[0] and "missing" in errors[0]
+    assert lake.read("trainer_steps").num_rows == 0

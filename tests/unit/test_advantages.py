@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -263,3 +264,24 @@ def test_row_advantages_broadcast_and_match_rollout_level(
         rids = list(dict.fromkeys(rid for gg, rid in keys if gg == g))
         expected = rollout_advantages([reward_of[(g, r)] for r in rids], estimator, std)
         assert [by_rollout[(g, r)].pop() for r in rids] == pytest.approx(expected)
+
+
+def _miles_float32_grpo(rewards: list[float]) -> list[float]:
+    """Miles' group normalization, transcribed: float32 tensors, unbiased std + 1e-6."""
+    r = torch.tensor(rewards, dtype=torch.float32)
+    return ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+
+
+def test_agrees_with_miles_float32_on_ordinary_groups():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        rewards = (torch.rand(8, generator=gen, dtype=torch.float64) * 2 - 1).tolist()
+        ours = rollout_advantages(rewards, "grpo", True)
+        assert ours == pytest.approx(_miles_float32_grpo(rewards), rel=1e-5, abs=1e-5)
+
+
+def test_constant_group_is_exactly_zero_where_miles_float32_is_not():
+    # The documented difference (DESIGN, Miles quirks): float32 rounding gives Miles a
+    # non-zero std for eight 0.7 rewards, and +0.056 per rollout.
+    assert rollout_advantages([0.7] * 8, "grpo", True) == [0.0] * 8
+    assert _miles_float32_grpo([0.7] * 8)[0] == pytest.approx(0.056, abs=1e-3)

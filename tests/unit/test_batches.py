@@ -180,3 +180,16 @@ def test_micro_batch_plan_respects_the_token_budget():
 def test_fewer_rows_than_ranks_is_an_error():
     with pytest.raises(BatchVerificationError, match="fewer than the 4"):
         plan_micro_batches(np.array([1, 2, 3]), world_size=4, rank=0, max_tokens=10)
+
+
+def test_missing_batch_file_is_a_verification_error(lake, tmp_path):
+    seal_step(lake, random_step("r1", 3))
+    removed = [path for path in (tmp_path / "lake" / TRAINING_BATCHES.name).rglob("*.parquet")]
+    assert removed
+    for path in removed:
+        path.unlink()
+    with pytest.raises(BatchVerificationError) as info:
+        load_step(lake, _sealed(lake, 3))
+    message = str(info.value)
+    assert "run r1 step 3" in message and "missing" in message
+    assert removed[0].name in message and "\n" not in message
