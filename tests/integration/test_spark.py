@@ -1,0 +1,146 @@
+"""delta-spark reads the lake the processor writes: every table, time travel to a step's
+`batch_version`, and the Spark metrics job (`bench/spark_metrics.py`) against step_metrics.
+
+Real parts: the Tansu broker, the processor, Delta on disk, a local Spark session with the
+Delta jars resolved from Maven Central (Java 17 needed; a missing one fails, never skips).
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+
+from bench.spark_metrics import (
+    COVERED_KEYS,
+    Mismatch,
+    mismatches,
+    recorded_step_metrics,
+    spark_session,
+    spark_step_metrics,
+)
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.publisher import RolloutPublisher
+from ingest.simulate import SimulationConfig, run_simulation
+from schemas.events import event_group_key
+from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
+from tests.integration.pipeline import run_processor
+
+# Compaction, aborts, missing rewards, truncation, duplicates and surplus all occur, so every
+# filter reason and batch key has something to count.
+RUNS = [
+    SimulationConfig(run_id="spark-a", steps=4, rollout_batch_size=4, n_samples=4,
+                     response_len_mean=24, max_response_len=40, prompt_len=8,
+                     compaction_rate=0.2, abort_rate=0.05, missing_reward_rate=0.05,
+                     duplicate_rate=0.05, seed=3, mode="open", surplus_per_step=1),
+    SimulationConfig(run_id="spark-b", steps=2, rollout_batch_size=3, n_samples=2,
+                     response_len_mean=16, prompt_len=4, seed=5, mode="open"),
+]
+PROCESSOR_TABLES = ["events", "groups", "samples", "training_batches", "steps", "step_metrics",
+                    "dead_letters"]
+
+
+@pytest.fixture(scope="module")
+def lake(broker, tmp_path_factory) -> Lake:
+    # Two event partitions: the processor reads several, as in production.
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="spark.",
+                          event_partitions=2, decision_partitions=1)
+    kafka.ensure_topics()
+    for sim in RUNS:
+        run_simulation(kafka, sim)
+    with RolloutPublisher(kafka) as pub:  # one poison event, so dead_letters has a row
+        pub.send_raw(pub.topics.events, event_group_key("spark-a", 0), b"{not json")
+    root = str(tmp_path_factory.mktemp("spark-lake"))
+    run_processor(kafka, root, idle_s=3.0)
+    return Lake(root)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    start = time.perf_counter()
+    session = spark_session("local[2]", "1g")
+    print(f"spark session started in {time.perf_counter() - start:.1f} s")
+    yield session
+    session.stop()
+
+
+def sorted_rows(table: pa.Table, key: tuple[str, ...]) -> list[dict]:
+    return table.sort_by([(k, "ascending") for k in key]).to_pylist()
+
+
+def test_every_table_reads_the_same_in_spark_and_delta_rs(lake, spark):
+    tables = sorted(name for name in TABLES if lake.exists(name))
+    assert set(PROCESSOR_TABLES) <= set(tables)
+    for name in tables:
+        df = spark.read.format("delta").load(lake.uri(name))
+        # Both sides print the Delta schema of the log (names, types, nullability, order).
+        delta_rs_schema = orjson.loads(DeltaTable(lake.uri(name)).schema().to_json())
+        assert df.schema.jsonValue() == delta_rs_schema, name
+        key = TABLES[name].key
+        ours, theirs = sorted_rows(df.toArrow(), key), sorted_rows(lake.read(name), key)
+        assert len(ours) == len(theirs) > 0, name
+        for spark_row, delta_rs_row in zip(ours, theirs, strict=True):
+            assert spark_row == delta_rs_row, name
+
+
+def test_time_travel_to_batch_version_gives_the_step_rows(lake, spark):
+    uri = lake.uri("training_batches")
+    steps = lake.read("steps").to_pylist()
+    assert len(steps) == sum(sim.steps for sim in RUNS)
+    versions = {s["batch_version"] for s in steps}
+    assert len(versions) > 1  # several commits: time travel has something to tell apart
+    for s in steps:
+        where = (pc.field("run_id") == s["run_id"]) & (pc.field("step") == s["step"])
+        sql = f"run_id = '{s['run_id']}' AND step = {s['step']}"
+        at = spark.read.format("delta").option("versionAsOf", s["batch_version"]).load(uri)
+        ours = at.where(sql).toArrow().sort_by("position")
+        theirs = lake.read("training_batches", version=s["batch_version"], filter=where)
+        assert ours.to_pylist() == theirs.sort_by("position").to_pylist()
+        assert ours.num_rows == s["n_samples"]
+        assert content_sha256(ours.cast(TRAINING_BATCHES.schema)) == s["content_sha256"]
+        before = spark.read.format("delta").option("versionAsOf", s["batch_version"] - 1).load(uri)
+        assert before.where(sql).count() == 0  # the step's rows arrive in that very commit
+
+
+def test_spark_metrics_job_matches_step_metrics(lake, spark):
+    for sim in RUNS:
+        start = time.perf_counter()
+        computed = spark_step_metrics(spark, lake.root, sim.run_id)
+        print(f"spark metrics of {sim.run_id}: {time.perf_counter() - start:.1f} s")
+        recorded = recorded_step_metrics(spark, lake.root, sim.run_id)
+        assert sorted(recorded) == list(range(sim.steps))
+        assert mismatches(computed, recorded) == []
+        for step, metrics in recorded.items():
+            required = {"rollout/raw_reward", "rollout/raw_reward_unfiltered",
+                        "rollout/num_training_samples", "rollout/episode_raw_reward",
+                        "rollout/truncated_ratio", "rollout/groups_kept",
+                        *(f"rollout/response_len/{s}" for s in ("mean", "median", "max", "min"))}
+            assert required <= set(computed[step]) & set(metrics), step
+    # The run exercises the drop reasons and truncation the job must count.
+    recorded = recorded_step_metrics(spark, lake.root, "spark-a")
+    keys = {k for m in recorded.values() for k in m}
+    for reason in ("zero_std_0.0", "zero_std_1.0", "group_has_aborted",
+                   "group_has_missing_reward"):
+        assert f"rollout/dynamic_filter/drop_{reason}" in keys
+    assert any(m["rollout/truncated_ratio"] > 0 for m in recorded.values())
+    assert any(m["rollout/groups_surplus"] > 0 for m in recorded.values())
+
+
+def test_mismatches_names_each_differing_missing_or_extra_key():
+    recorded = {0: {"rollout/raw_reward": 0.5, "rollout/groups_kept": 4.0,
+                    "rollout/dynamic_filter/drop_zero_std_1.0": 2.0, "perf/rollout_time": 3.0}}
+    computed = {0: {"rollout/raw_reward": 0.5 + 1e-12, "rollout/groups_kept": 5.0,
+                    "rollout/dynamic_filter/drop_zero_std_0.0": 1.0}}
+    assert mismatches(computed, recorded) == [
+        Mismatch(0, "rollout/dynamic_filter/drop_zero_std_0.0", 1.0, None),
+        Mismatch(0, "rollout/dynamic_filter/drop_zero_std_1.0", None, 2.0),
+        Mismatch(0, "rollout/groups_kept", 5.0, 4.0),
+    ]
+    assert mismatches({}, recorded)[0] == Mismatch(0, "rollout/dynamic_filter/drop_zero_std_1.0",
+                                                   None, 2.0)
+    assert "perf/rollout_time" not in COVERED_KEYS
