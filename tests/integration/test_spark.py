@@ -97,17 +97,21 @@ def test_time_travel_to_batch_version_gives_the_step_rows(lake, spark):
     versions = {run: [s["batch_version"] for s in steps if s["run_id"] == run]
                 for run in ("spark-a", "spark-b")}
     assert max(versions["spark-a"]) < min(versions["spark-b"])  # commits to tell apart
-    for s in steps:
-        where = (pc.field("run_id") == s["run_id"]) & (pc.field("step") == s["step"])
-        sql = f"run_id = '{s['run_id']}' AND step = {s['step']}"
-        at = spark.read.format("delta").option("versionAsOf", s["batch_version"]).load(uri)
-        ours = at.where(sql).toArrow().sort_by("position")
-        theirs = lake.read("training_batches", version=s["batch_version"], filter=where)
-        assert ours.to_pylist() == theirs.sort_by("position").to_pylist()
-        assert ours.num_rows == s["n_samples"]
-        assert content_sha256(ours.cast(TRAINING_BATCHES.schema)) == s["content_sha256"]
-        before = spark.read.format("delta").option("versionAsOf", s["batch_version"] - 1).load(uri)
-        assert before.where(sql).count() == 0  # the step's rows arrive in that very commit
+    def spark_at(version: int) -> pa.Table:
+        return spark.read.format("delta").option("versionAsOf", version).load(uri).toArrow()
+
+    for version in sorted({s["batch_version"] for s in steps}):
+        ours_at = spark_at(version)
+        theirs_at = lake.read("training_batches", version=version)
+        before = spark_at(version - 1)
+        for s in (s for s in steps if s["batch_version"] == version):
+            where = (pc.field("run_id") == s["run_id"]) & (pc.field("step") == s["step"])
+            ours = ours_at.filter(where).sort_by("position")
+            assert ours.to_pylist() == theirs_at.filter(where).sort_by("position").to_pylist()
+            assert ours.num_rows == s["n_samples"]
+            assert content_sha256(ours.cast(TRAINING_BATCHES.schema)) == s["content_sha256"]
+            # The step's rows arrive in that very commit.
+            assert before.filter(where).num_rows == 0
 
 
 def test_spark_metrics_job_matches_step_metrics(lake, spark):
