@@ -15,7 +15,8 @@ processor instance, whose decisions are in `decided_at` order). Where the tables
 `zero_std_1.0` in `zero_std/count_*`) are not in the tables.
 
 Exit status: 0 when every covered key of every step equals `step_metrics` within
-tolerance, 1 with one line per mismatch otherwise, 2 on bad arguments.
+tolerance, 1 with one line per mismatch otherwise, 2 with a one-line error for bad
+arguments, a lake or run without the tables, or a replay that fails.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 # Run as a script, bench/ is sys.path[0]; the repo root holds the packages imported below.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pyarrow.compute as pc  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
@@ -78,6 +80,10 @@ def spark_session(master: str = "local[2]", driver_memory: str = "1g",
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.ui.enabled", "false")
+        # A busy machine (CI, shared cores) delays heartbeats past the 10 s default; the
+        # driver then drops its own executor and the session logs errors it cannot act on.
+        .config("spark.executor.heartbeatInterval", "60s")
+        .config("spark.network.timeout", "600s")
         .config("spark.ui.showConsoleProgress", "false")
     )
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
@@ -231,7 +237,7 @@ def mismatches(computed: StepMetrics, recorded: StepMetrics, *, rel_tol: float =
     Only steps with recorded metrics are compared: a sealed step closes (and gets its
     metrics) when a later one seals or the processor flushes."""
     out = []
-    for step in sorted(set(recorded) | (set(computed) & set(recorded))):
+    for step in sorted(recorded):
         ours, theirs = computed.get(step, {}), recorded[step]
         for key in sorted(k for k in set(ours) | set(theirs) if covered(k)):
             a, b = ours.get(key), theirs.get(key)
@@ -267,9 +273,32 @@ def simulated_lake(root: Path, steps: int, seed: int) -> tuple[str, str]:
 def replay_seconds(lake: str, run_id: str) -> float:
     """Wall time of `rolloutlake replay` on the run, a process of its own like the job."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "ingest.cli", "replay", "--lake", lake, "--run", run_id],
-                   check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", "ingest.cli", "replay", "--lake", lake,
+                           "--run", run_id], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BenchError(f"rolloutlake replay exited {done.returncode}: {last}")
     return time.perf_counter() - start
+
+
+class BenchError(Exception):
+    """A lake, run or replay this benchmark cannot use; its message is one line."""
+
+
+def check_lake(lake: str, run_id: str) -> None:
+    """Refuse a lake without the run's step metrics before a Spark session starts."""
+    from ingest.lake import Lake
+
+    if not os.path.isdir(lake):
+        raise BenchError(f"--lake {lake}: no such folder")
+    tables = Lake(lake)
+    for table in ("step_metrics", "steps", "groups", "samples", "training_batches"):
+        if not tables.exists(table):
+            raise BenchError(f"--lake {lake} has no {table} table")
+    if tables.read("step_metrics", columns=["step"],
+                   filter=pc.field("run_id") == run_id).num_rows == 0:
+        raise BenchError(f"--run {run_id}: no step_metrics rows in {lake}")
 
 
 def _report(found: Iterable[Mismatch]) -> int:
@@ -277,6 +306,28 @@ def _report(found: Iterable[Mismatch]) -> int:
     for m in found:
         print(f"mismatch: {m}")
     return 1 if found else 0
+
+
+def _compare_and_time(lake: str, run_id: str, args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    spark = spark_session(args.master, args.driver_memory)
+    session_s = time.perf_counter() - start
+    start = time.perf_counter()
+    computed = spark_step_metrics(spark, lake, run_id)
+    job_s = time.perf_counter() - start
+    recorded = recorded_step_metrics(spark, lake, run_id)
+    spark.stop()
+    n_keys = sum(1 for m in recorded.values() for k in m if covered(k))
+    status = _report(mismatches(computed, recorded))
+    print(f"spark ({args.master}): {len(recorded)} steps, {n_keys} keys compared, "
+          f"{'mismatches above' if status else 'all equal'}")
+    print(f"spark session start {session_s:.1f} s, job {job_s:.1f} s")
+    if not args.no_replay:
+        replay_s = replay_seconds(lake, run_id)
+        print(f"single-process replay {replay_s:.1f} s; spark job / replay = "
+              f"{job_s / replay_s:.2f} (with session start "
+              f"{(session_s + job_s) / replay_s:.2f})")
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-memory", default="1g")
     parser.add_argument("--no-replay", action="store_true", help="skip the replay timing")
     args = parser.parse_args(argv)
-    if args.simulate_steps is None and not (args.lake and args.run):
-        parser.error("pass --lake and --run, or --simulate-steps N")
-    if args.simulate_steps is not None and args.simulate_steps < 1:
+    if args.simulate_steps is None:
+        if args.lake is None or args.run is None:
+            parser.error("pass --lake and --run, or --simulate-steps N")
+    elif args.lake is not None or args.run is not None:
+        parser.error("--simulate-steps builds its own lake: pass it without --lake and --run")
+    elif args.simulate_steps < 1:
         parser.error(f"--simulate-steps must be >= 1, got {args.simulate_steps}")
     with tempfile.TemporaryDirectory(prefix="spark-bench-") as tmp:
         lake, run_id = args.lake, args.run
@@ -302,30 +356,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"simulated and processed {args.simulate_steps} steps "
                   f"in {time.perf_counter() - start:.1f} s")
         lake = os.path.abspath(lake)
-        if not os.path.isdir(os.path.join(lake, "step_metrics")):
-            print(f"error: --lake {lake} has no step_metrics table", file=sys.stderr)
+        try:
+            check_lake(lake, run_id)
+            status = _compare_and_time(lake, run_id, args)
+        except BenchError as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
-        start = time.perf_counter()
-        spark = spark_session(args.master, args.driver_memory)
-        session_s = time.perf_counter() - start
-        start = time.perf_counter()
-        computed = spark_step_metrics(spark, lake, run_id)
-        job_s = time.perf_counter() - start
-        recorded = recorded_step_metrics(spark, lake, run_id)
-        spark.stop()
-        if not recorded:
-            print(f"error: run {run_id} has no step_metrics in {lake}", file=sys.stderr)
-            return 2
-        n_keys = sum(1 for m in recorded.values() for k in m if covered(k))
-        status = _report(mismatches(computed, recorded))
-        print(f"spark ({args.master}): {len(recorded)} steps, {n_keys} keys compared, "
-              f"{'mismatches above' if status else 'all equal'}")
-        print(f"spark session start {session_s:.1f} s, job {job_s:.1f} s")
-        if not args.no_replay:
-            replay_s = replay_seconds(lake, run_id)
-            print(f"single-process replay {replay_s:.1f} s; spark job / replay = "
-                  f"{job_s / replay_s:.2f} (with session start "
-                  f"{(session_s + job_s) / replay_s:.2f})")
     return status
 
 

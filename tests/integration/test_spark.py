@@ -17,9 +17,12 @@ from deltalake import DeltaTable
 
 from bench.spark_metrics import (
     COVERED_KEYS,
+    BenchError,
     Mismatch,
+    main,
     mismatches,
     recorded_step_metrics,
+    replay_seconds,
     spark_session,
     spark_step_metrics,
 )
@@ -151,3 +154,33 @@ def test_mismatches_names_each_differing_missing_or_extra_key():
     assert mismatches({}, recorded)[0] == Mismatch(0, "rollout/dynamic_filter/drop_zero_std_1.0",
                                                    None, 2.0)
     assert "perf/rollout_time" not in COVERED_KEYS
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "pass --lake and --run, or --simulate-steps N"),
+    (["--lake", "lake"], "pass --lake and --run, or --simulate-steps N"),
+    (["--simulate-steps", "0"], "--simulate-steps must be >= 1, got 0"),
+    (["--simulate-steps", "2", "--run", "r"], "--simulate-steps builds its own lake"),
+])
+def test_metrics_job_refuses_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_metrics_job_names_the_lake_or_run_it_cannot_use(lake, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [([str(tmp_path / "missing"), "spark-a"], f"--lake {tmp_path / 'missing'}: no such folder"),
+             ([str(empty), "spark-a"], f"--lake {empty} has no step_metrics table"),
+             ([lake.root, "nope"], f"--run nope: no step_metrics rows in {lake.root}")]
+    for (root, run), message in cases:
+        assert main(["--lake", root, "--run", run]) == 2  # before any Spark session starts
+        assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_failing_replay_is_one_line(tmp_path):
+    with pytest.raises(BenchError) as failed:
+        replay_seconds(str(tmp_path), "r1")
+    assert str(failed.value) == f"rolloutlake replay exited 2: rolloutlake replay: no events table under {tmp_path}"
