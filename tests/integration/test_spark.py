@@ -8,6 +8,7 @@ Delta jars resolved from Maven Central (Java 17 needed; a missing one fails, nev
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import orjson
 import pyarrow as pa
@@ -19,8 +20,10 @@ from bench.spark_metrics import (
     COVERED_KEYS,
     BenchError,
     Mismatch,
+    filter_metrics,
     main,
     mismatches,
+    read_delta,
     recorded_step_metrics,
     replay_seconds,
     spark_session,
@@ -32,6 +35,7 @@ from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, run_simulation
 from schemas.events import event_group_key
 from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
+from tests.integration.metric_fixtures import contract_table
 from tests.integration.pipeline import run_processor
 
 # Compaction, aborts, missing rewards, truncation, duplicates and surplus all occur, so every
@@ -139,6 +143,58 @@ def test_spark_metrics_job_matches_step_metrics(lake, spark):
         assert f"rollout/dynamic_filter/drop_{reason}" in keys
     assert any(m["rollout/truncated_ratio"] > 0 for m in recorded.values())
     assert any(m["rollout/groups_surplus"] > 0 for m in recorded.values())
+
+
+def test_metrics_job_counts_a_group_only_while_its_step_is_open(spark, tmp_path):
+    """Step 1 seals before step 0; step 0 then closes at its own seal, so its groups
+    decided later are in the tables but not in its metrics. The last step closes at the
+    flush and keeps everything."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at(seconds: float) -> datetime:
+        return t0 + timedelta(seconds=seconds)
+
+    # (group_index, step, decision, reason, decided_at s, rewards of its samples)
+    decided = [
+        (0, 0, "kept", None, 1, [1.0, 0.0]),
+        (1, 0, "dropped", "zero_std_1.0", 2, [1.0, 1.0]),
+        (2, 0, "dropped", "group_has_aborted", 11, [None, 1.0]),  # after step 0 closed
+        (3, 0, "surplus", None, 12, [1.0, 0.0]),  # after step 0 closed
+        (10, 1, "kept", None, 4, [1.0, 0.0]),
+        (11, 1, "dropped", "zero_std_0.0", 15, [0.0, 0.0]),
+        (12, 1, "dropped", "group_timeout", 16, [1.0]),  # never offered
+        (20, 2, "kept", None, 19, [1.0, 0.0]),
+        (21, 2, "surplus", None, 30, [0.0, 1.0]),
+        (22, 2, "dropped", "cancelled_at_seal", 25, [None, None]),
+    ]
+    sealed_at = {0: 10, 1: 5, 2: 20}
+    groups = [{"run_id": "w", "group_index": g, "step": step, "decision": decision,
+               "reason": reason, "decided_at": at(t)}
+              for g, step, decision, reason, t, _ in decided]
+    samples = [{"run_id": "w", "group_index": g, "rollout_id": r, "fragment_index": 0,
+                "status": "completed", "reward": reward, "response_length": 1,
+                "decision": decision, "step": step}
+               for g, step, decision, _, _, rewards in decided for r, reward in enumerate(rewards)]
+    steps = [{"run_id": "w", "step": step, "n_groups": 1, "n_samples": 2, "sealed_at": at(t),
+              "batch_version": 0, "content_sha256": ""} for step, t in sealed_at.items()]
+    lake = Lake(tmp_path / "lake")
+    for name, rows in (("groups", groups), ("samples", samples), ("steps", steps)):
+        lake.append(name, contract_table(name, rows))
+    computed = filter_metrics(*(read_delta(spark, lake.root, name, "w")
+                                for name in ("groups", "samples", "steps")))
+    counts = ("groups_offered", "groups_kept", "groups_surplus", "groups_dropped",
+              "groups_cancelled")
+
+    def expect(values: tuple[int, ...], unfiltered: float, drops: dict[str, float]) -> dict:
+        out = {f"rollout/{k}": float(v) for k, v in zip(counts, values, strict=True)}
+        out |= {f"rollout/dynamic_filter/drop_{reason}": n for reason, n in drops.items()}
+        return out | {"rollout/raw_reward_unfiltered": unfiltered}
+
+    assert computed == {
+        0: expect((2, 1, 0, 1, 0), 0.75, {"zero_std_1.0": 1.0}),
+        1: expect((2, 1, 0, 2, 0), 0.25, {"zero_std_0.0": 1.0, "group_timeout": 1.0}),
+        2: expect((2, 1, 1, 0, 1), 0.5, {}),
+    }
 
 
 def test_mismatches_names_each_differing_missing_or_extra_key():
