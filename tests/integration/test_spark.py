@@ -158,6 +158,7 @@ def test_metrics_job_counts_a_group_only_while_its_step_is_open(spark, tmp_path)
     decided = [
         (0, 0, "kept", None, 1, [1.0, 0.0]),
         (1, 0, "dropped", "zero_std_1.0", 2, [1.0, 1.0]),
+        (4, 0, "dropped", "group_has_missing_reward", 7, [None, 1.0]),  # step 1 sealed: open
         (2, 0, "dropped", "group_has_aborted", 11, [None, 1.0]),  # after step 0 closed
         (3, 0, "surplus", None, 12, [1.0, 0.0]),  # after step 0 closed
         (10, 1, "kept", None, 4, [1.0, 0.0]),
@@ -191,7 +192,7 @@ def test_metrics_job_counts_a_group_only_while_its_step_is_open(spark, tmp_path)
         return out | {"rollout/raw_reward_unfiltered": unfiltered}
 
     assert computed == {
-        0: expect((2, 1, 0, 1, 0), 0.75, {"zero_std_1.0": 1.0}),
+        0: expect((3, 1, 0, 2, 0), 0.8, {"zero_std_1.0": 1.0, "group_has_missing_reward": 1.0}),
         1: expect((2, 1, 0, 2, 0), 0.25, {"zero_std_0.0": 1.0, "group_timeout": 1.0}),
         2: expect((2, 1, 1, 0, 1), 0.5, {}),
     }
