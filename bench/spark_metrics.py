@@ -10,9 +10,10 @@ machine needs them (or a what-if variant of them) from the tables instead. The j
 (CONTRACT section 5, docs/metrics.md), with the processor's window rule: a group counts
 for step s when it was decided before s closed, that is by the first seal at which s and
 a later step are both sealed (`decided_at` against `steps.sealed_at`; exact for one
-processor instance, whose decisions are in `decided_at` order). Where the tables keep less than the processor saw, the job cannot follow:
-`metadata.raw_reward` overrides and int-vs-float reward buckets (`zero_std_1` vs
-`zero_std_1.0` in `zero_std/count_*`) are not in the tables.
+processor instance, whose decisions are in `decided_at` order). Two things the processor
+saw are not in the tables, so runs that use them differ: a `metadata.raw_reward` override
+of the reward, and whether a reward was an int (the tables keep float64, so an int run's
+`zero_std/count_1` reads `count_1.0` here). docs/spark.md has the details.
 
 Exit status: 0 when every covered key of every step equals `step_metrics` within
 tolerance, 1 with one line per mismatch otherwise, 2 with a one-line error for bad
