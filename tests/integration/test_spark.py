@@ -101,27 +101,34 @@ def test_time_travel_to_batch_version_gives_the_step_rows(lake, spark):
     uri = lake.uri("training_batches")
     steps = lake.read("steps").to_pylist()
     assert len(steps) == sum(sim.steps for sim in RUNS)
-    versions = {run: [s["batch_version"] for s in steps if s["run_id"] == run]
+    versions = {run: [row["batch_version"] for row in steps if row["run_id"] == run]
                 for run in ("spark-a", "spark-b")}
     assert max(versions["spark-a"]) < min(versions["spark-b"])  # commits to tell apart
+
     def spark_at(version: int) -> pa.Table:
         return spark.read.format("delta").option("versionAsOf", version).load(uri).toArrow()
 
-    for version in sorted({s["batch_version"] for s in steps}):
+    for version in sorted({row["batch_version"] for row in steps}):
         ours_at = spark_at(version)
         theirs_at = lake.read("training_batches", version=version)
         before = spark_at(version - 1)
-        for s in (s for s in steps if s["batch_version"] == version):
-            where = (pc.field("run_id") == s["run_id"]) & (pc.field("step") == s["step"])
+        key = TRAINING_BATCHES.key
+        assert sorted_rows(ours_at, key) == sorted_rows(theirs_at, key)  # the whole version
+        for step in (row for row in steps if row["batch_version"] == version):
+            where = (pc.field("run_id") == step["run_id"]) & (pc.field("step") == step["step"])
             ours = ours_at.filter(where).sort_by("position")
             assert ours.to_pylist() == theirs_at.filter(where).sort_by("position").to_pylist()
-            assert ours.num_rows == s["n_samples"]
-            assert content_sha256(ours.cast(TRAINING_BATCHES.schema)) == s["content_sha256"]
+            assert ours.num_rows == step["n_samples"]
+            assert content_sha256(ours.cast(TRAINING_BATCHES.schema)) == step["content_sha256"]
             # The step's rows arrive in that very commit.
             assert before.filter(where).num_rows == 0
 
 
 def test_spark_metrics_job_matches_step_metrics(lake, spark):
+    required = {"rollout/raw_reward", "rollout/raw_reward_unfiltered",
+                "rollout/num_training_samples", "rollout/episode_raw_reward",
+                "rollout/truncated_ratio", "rollout/groups_kept",
+                *(f"rollout/response_len/{s}" for s in ("mean", "median", "max", "min"))}
     for sim in RUNS:
         start = time.perf_counter()
         computed = spark_step_metrics(spark, lake.root, sim.run_id)
@@ -130,10 +137,6 @@ def test_spark_metrics_job_matches_step_metrics(lake, spark):
         assert sorted(recorded) == list(range(sim.steps))
         assert mismatches(computed, recorded) == []
         for step, metrics in recorded.items():
-            required = {"rollout/raw_reward", "rollout/raw_reward_unfiltered",
-                        "rollout/num_training_samples", "rollout/episode_raw_reward",
-                        "rollout/truncated_ratio", "rollout/groups_kept",
-                        *(f"rollout/response_len/{s}" for s in ("mean", "median", "max", "min"))}
             assert required <= set(computed[step]) & set(metrics), step
     # The run exercises the drop reasons and truncation the job must count.
     recorded = recorded_step_metrics(spark, lake.root, "spark-a")
