@@ -37,12 +37,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyarrow.compute as pc  # noqa: E402
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
+
+from ingest.filters import CANCELLED_AT_SEAL  # noqa: E402
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
-CANCELLED_AT_SEAL = "cancelled_at_seal"
 NOT_OFFERED = "group_timeout"  # decided by the timeout, never offered to the filter chain
 
 # Keys the job computes exactly; step_metrics keys outside these are the processor's alone
@@ -81,11 +82,11 @@ def spark_session(master: str = "local[2]", driver_memory: str = "1g",
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         # A busy machine (CI, shared cores) delays heartbeats past the 10 s default; the
         # driver then drops its own executor and the session logs errors it cannot act on.
         .config("spark.executor.heartbeatInterval", "60s")
         .config("spark.network.timeout", "600s")
-        .config("spark.ui.showConsoleProgress", "false")
     )
     spark = configure_spark_with_delta_pip(builder).getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
@@ -96,7 +97,7 @@ def read_delta(spark: SparkSession, lake: str, table: str, run_id: str) -> DataF
     return spark.read.format("delta").load(f"{lake}/{table}").where(F.col("run_id") == run_id)
 
 
-def _stats(prefix: str, column: str) -> list:
+def _stats(prefix: str, column: str) -> list[Column]:
     return [F.avg(column).alias(f"{prefix}/mean"),
             F.percentile(column, 0.5).alias(f"{prefix}/median"),
             F.max(column).cast("double").alias(f"{prefix}/max"),
