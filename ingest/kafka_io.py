@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.partitioner.default import murmur2
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.errors import BrokerUnavailableError
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 # Record batches carry headers and framing on top of the value.
 MAX_REQUEST_BYTES = MAX_EVENT_BYTES + 1024 * 1024
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition a key belongs on (CONTRACT section 1): murmur2, as the Java client and
+    kafka-python compute it, and as librdkafka's `partitioner=murmur2_random` does."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
 @dataclass(frozen=True)

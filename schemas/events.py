@@ -6,6 +6,7 @@ the producer SDK, the gateway and the stream processor all validate through them
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -388,8 +389,20 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        raise EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)") from None
+        not_json = EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)")
+        _raise_field_error(raw, allowed)
+        raise not_json from None
     return parse_event(data, allowed=allowed)
+
+
+def _raise_field_error(raw: bytes, allowed: frozenset[str] | None) -> None:
+    """Raise the field error of JSON that strict parsers refuse but Python's reads (`NaN`,
+    `Infinity`, a number too large for a double), so the reason names the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return
+    parse_event(data, allowed=allowed)
 
 
 def encode_event(event: BaseModel) -> bytes:
