@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator
 
 from gateway.auth import Principal, TokenStore
 from gateway.config import GatewayConfig, Scope
@@ -24,12 +25,14 @@ from gateway.producer import GatewayProducer
 from gateway.prompts import PromptService
 from gateway.runs import RunRegistry
 from ingest.lake import Lake
+from schemas.bounds import check_run_id
 
 # Integers in paths and queries end up in Delta/Arrow int64 filters: bound them there.
 INT64_MAX = 2**63 - 1
 
 RunIdPath = Annotated[
-    str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Run id.")
+    str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Run id."),
+    AfterValidator(check_run_id),
 ]
 DatasetNamePath = Annotated[
     str, Path(pattern=DATASET_NAME, description="Dataset name (also its folder name).")
@@ -99,7 +102,15 @@ def _global_scope(scope: Scope):
     return check
 
 
+async def _some_write(principal: PrincipalDep) -> Principal:
+    """403 unless the token may write at least one run: checked before any body is read."""
+    if "write" not in principal.scopes:
+        raise ApiError(403, f"token {principal.name!r} lacks 'write' scope")
+    return principal
+
+
 ReadRun = Annotated[Principal, Depends(_run_scope("read"))]
 WriteRun = Annotated[Principal, Depends(_run_scope("write"))]
 ReadGlobal = Annotated[Principal, Depends(_global_scope("read"))]
 WriteGlobal = Annotated[Principal, Depends(_global_scope("write"))]
+WriterDep = Annotated[Principal, Depends(_some_write)]

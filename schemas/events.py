@@ -6,6 +6,7 @@ the producer SDK, the gateway and the stream processor all validate through them
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from typing import Annotated, Any, Literal
@@ -48,6 +49,19 @@ RunId = Annotated[
     Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$"),
     AfterValidator(check_run_id),
 ]
+_RUN_ID = TypeAdapter(RunId)
+
+
+def run_id_argument(value: str) -> str:
+    """argparse `type=` of every `--run` flag: a run id of the contract, or a one-line error."""
+    try:
+        return _RUN_ID.validate_python(value)
+    except ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a run id (1-128 characters of A-Z a-z 0-9 . _ -, "
+            "not '.' or '..')") from None
+
+
 EventId = Annotated[str, Field(min_length=1, max_length=128)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 PositiveInt = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
@@ -390,19 +404,23 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         not_json = EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)")
-        _raise_field_error(raw, allowed)
+        # Still refused (the archive is re-read with orjson), but with the field to blame.
+        parse_event(load_json(raw), allowed=allowed)
         raise not_json from None
     return parse_event(data, allowed=allowed)
 
 
-def _raise_field_error(raw: bytes, allowed: frozenset[str] | None) -> None:
-    """Raise the field error of JSON that strict parsers refuse but Python's reads (`NaN`,
-    `Infinity`, a number too large for a double), so the reason names the field."""
+def load_json(raw: bytes | str) -> Any:
+    """Decode JSON with orjson; what only Python's lenient reader takes (`NaN`, `Infinity`,
+    numbers beyond a double) is read with it, so validation can name the field to blame.
+    Raises orjson.JSONDecodeError when neither reads it."""
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return
-    parse_event(data, allowed=allowed)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise strict_error from None
 
 
 def encode_event(event: BaseModel) -> bytes:
