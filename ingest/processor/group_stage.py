@@ -227,6 +227,9 @@ class GroupStage(Stage):
 
     def _wrong_partition(self, record: Any, run_id: str, group_index: int) -> str | None:
         """Why the event is on another partition than its group's key hashes to, or None."""
+        pending = self.pending.get((run_id, group_index))
+        if pending is not None and pending.partition == record.partition:
+            return None  # the group's first event was checked (or archived) here
         partitions = self.consumer.partitions_for_topic(record.topic)
         if not partitions:
             return None
