@@ -59,16 +59,22 @@ MetricsDep = Annotated[GatewayMetrics, Depends(_state("metrics"))]
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
 
 
+def principal_for(tokens: TokenStore, token: str | None) -> Principal:
+    """The token's principal; 401 without a valid token."""
+    principal = tokens.authenticate(token)
+    if principal is None:
+        message = "invalid bearer token" if token else "missing bearer token"
+        raise ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    return principal
+
+
 async def authenticate(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     """The caller's principal; 401 without a valid bearer token."""
-    tokens: TokenStore = request.app.state.tokens
-    principal = tokens.authenticate(credentials.credentials if credentials else None)
-    if principal is None:
-        message = "invalid bearer token" if credentials else "missing bearer token"
-        raise ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    principal = principal_for(request.app.state.tokens,
+                              credentials.credentials if credentials else None)
     # The access log names the principal, never the token.
     request.state.principal = principal.name
     return principal
@@ -102,10 +108,14 @@ def _global_scope(scope: Scope):
     return check
 
 
-async def _some_write(principal: PrincipalDep) -> Principal:
+def require_some_write(principal: Principal) -> None:
     """403 unless the token may write at least one run: checked before any body is read."""
     if "write" not in principal.scopes:
         raise ApiError(403, f"token {principal.name!r} lacks 'write' scope")
+
+
+async def _some_write(principal: PrincipalDep) -> Principal:
+    require_some_write(principal)
     return principal
 
 

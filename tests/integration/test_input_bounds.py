@@ -74,6 +74,11 @@ def test_authorization_is_decided_before_the_body_is_validated(gw):
         ("run-a-writer", "/v1/events", {"json": invalid}, 422),  # may write: told what is wrong
         ("reader-token", "/v1/runs", {"json": {"run_id": "run-a", "config": "none"}}, 403),
         (None, "/v1/runs", {"json": {"run_id": ".."}}, 401),
+        # FastAPI decodes JSON bodies before the auth dependencies run.
+        (None, "/v1/runs", {"content": b"{not json"}, 401),
+        ("reader-token", "/v1/runs", {"content": b"{not json"}, 403),
+        ("reader-token", "/v1/runs/run-a/prompts/recycle", {"content": b"{not json"}, 403),
+        ("admin-token", "/v1/runs", {"content": b"{not json"}, 422),
     ]
     for token, path, body, status in cases:
         with gw.client(token=token) as client:
