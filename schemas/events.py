@@ -404,8 +404,12 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         not_json = EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)")
+        try:
+            lenient = load_json(raw)
+        except orjson.JSONDecodeError:
+            raise not_json from None
         # Still refused (the archive is re-read with orjson), but with the field to blame.
-        parse_event(load_json(raw), allowed=allowed)
+        parse_event(lenient, allowed=allowed)
         raise not_json from None
     return parse_event(data, allowed=allowed)
 
@@ -429,7 +433,12 @@ def encode_event(event: BaseModel) -> bytes:
     # `type` and `schema_version` may be left at their defaults but are required on the wire.
     body["type"] = event.type
     body["schema_version"] = SCHEMA_VERSION
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as err:  # a nested string the field checks do not reach
+        raise EventValidationError(
+            f"{event.type} event {getattr(event, 'event_id', None)!r}: cannot be written as "
+            f"JSON: {err}", field="(event)", event_type=event.type) from None
 
 
 def event_group_key(run_id: str, group_index: int) -> bytes:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from schemas.bounds import MAX_OBJECT_BYTES, MAX_OBJECT_DEPTH
 from schemas.errors import EventValidationError
-from schemas.events import decode_event, parse_event
+from schemas.events import decode_event, encode_event, parse_event
 
 
 def _event(kind: str, **fields):
@@ -166,3 +166,9 @@ def test_the_json_fast_path_and_the_archive_path_agree(reward, metadata, depth):
     assert (fast is None) == (slow is None)
     if fast is not None:
         assert fast.model_dump_json() == slow.model_dump_json()
+
+
+def test_an_event_that_cannot_be_written_as_json_is_a_validation_error():
+    event = parse_event(_event("group_started", prompt_ref={"dataset": "d\ud800", "row": 0}))
+    with pytest.raises(EventValidationError, match="group_started event 'e1': cannot be written"):
+        encode_event(event)
