@@ -14,12 +14,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from gateway.auth import TokenStore
 from gateway.config import GatewayConfig
 from gateway.datasets import DatasetStore
 from gateway.dedup import RecentIds
+from gateway.deps import principal_for, require_some_write
 from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics, LimitBody, ObserveRequests
 from gateway.producer import GatewayProducer
@@ -91,6 +94,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
         return JSONResponse({"detail": err.message, **err.extra}, status_code=err.status,
                             headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+        # FastAPI decodes a JSON body before it runs the auth dependencies: answer 401/403
+        # before saying what is wrong with the input of a caller who may not send it.
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        try:
+            principal = principal_for(app.state.tokens,
+                                      token.strip() or None if scheme.lower() == "bearer" else None)
+            if request.method != "GET":
+                require_some_write(principal)
+        except ApiError as denied:
+            return await api_error(request, denied)
+        return await request_validation_exception_handler(request, err)
 
     @app.exception_handler(BrokerUnavailableError)
     async def broker_unavailable(request: Request, err: BrokerUnavailableError) -> JSONResponse:

@@ -1,12 +1,15 @@
-"""The recently accepted event ids of this gateway, persisted so duplicates survive a restart.
+"""The recently accepted events of this gateway, persisted so duplicates survive a restart.
 
-Bound: the last `window` ids (config `dedup_window`, default 200,000; about 30 MB). Older
-ids are forgotten, and a duplicate of one is published again; that is still safe because
-the processor applies each `event_id` once, the gateway count is only a courtesy.
+An event is known by `(run_id, event_id)` (CONTRACT section 2): the same id in another run
+is another event. Bound: the last `window` keys (config `dedup_window`, default 200,000;
+about 40 MB). Older keys are forgotten, and a duplicate of one is published again; that is
+still safe because the processor applies each key once, the gateway count is only a
+courtesy.
 
-Persistence is an append-only log of ids, one JSON string per line (ids may hold newlines), written after the broker acked
-them; at start the log's last `window` lines are loaded, and it is rewritten to that tail
-once it holds twice the window, so it never grows without bound.
+Persistence is an append-only log of keys, one JSON array `[run_id, event_id]` per line
+(ids may hold newlines), written after the broker acked them; at start the log's last
+`window` lines are loaded, and it is rewritten to that tail once it holds twice the
+window, so it never grows without bound.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ from pathlib import Path
 
 import orjson
 
+EventKey = tuple[str, str]  # (run_id, event_id)
+
 
 class RecentIds:
-    """A bounded, insertion-ordered set of event ids backed by a log file."""
+    """A bounded, insertion-ordered set of event keys backed by a log file."""
 
     def __init__(self, path: Path, window: int):
         self.path = path
         self.window = window
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._in_flight: set[str] = set()
+        self._ids: OrderedDict[EventKey, None] = OrderedDict()
+        self._in_flight: set[EventKey] = set()
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._logged = 0
@@ -34,20 +39,24 @@ class RecentIds:
             with path.open(encoding="utf-8") as f:
                 for line in f:
                     try:
-                        self._remember(orjson.loads(line))
+                        key = orjson.loads(line)
                     except orjson.JSONDecodeError:
                         continue  # a line cut short by a crash mid-write
+                    if not (isinstance(key, list) and len(key) == 2
+                            and all(isinstance(part, str) for part in key)):
+                        continue  # a bare id, logged before keys held the run
+                    self._remember((key[0], key[1]))
                     self._logged += 1
         self._log = path.open("a", encoding="utf-8")
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def claim(self, ids: Iterable[str]) -> tuple[list[int], list[int]]:
-        """Split ids into (new, duplicate) positions and reserve the new ones.
+    def claim(self, ids: Iterable[EventKey]) -> tuple[list[int], list[int]]:
+        """Split keys into (new, duplicate) positions and reserve the new ones.
 
-        An id repeated inside `ids`, already accepted, or being published by a concurrent
-        request counts as a duplicate. Reserved ids must be settled with `commit` or
+        A key repeated inside `ids`, already accepted, or being published by a concurrent
+        request counts as a duplicate. Reserved keys must be settled with `commit` or
         `release`.
         """
         fresh: list[int] = []
@@ -61,7 +70,7 @@ class RecentIds:
                     fresh.append(i)
         return fresh, dups
 
-    def commit(self, ids: list[str]) -> None:
+    def commit(self, ids: list[EventKey]) -> None:
         """The broker acked these ids: remember and log them."""
         with self._lock:
             self._in_flight.difference_update(ids)
@@ -73,7 +82,7 @@ class RecentIds:
             if self._logged > 2 * self.window:
                 self._compact()
 
-    def release(self, ids: list[str]) -> None:
+    def release(self, ids: list[EventKey]) -> None:
         """Publishing failed: the ids may be sent again."""
         with self._lock:
             self._in_flight.difference_update(ids)
@@ -82,7 +91,7 @@ class RecentIds:
         with self._lock:
             self._log.close()
 
-    def _remember(self, event_id: str) -> None:
+    def _remember(self, event_id: EventKey) -> None:
         self._ids[event_id] = None
         self._ids.move_to_end(event_id)
         while len(self._ids) > self.window:
@@ -98,5 +107,5 @@ class RecentIds:
         self._log = self.path.open("a", encoding="utf-8")
 
 
-def _lines(ids: Iterable[str]) -> str:
-    return "".join(orjson.dumps(event_id).decode() + "\n" for event_id in ids)
+def _lines(ids: Iterable[EventKey]) -> str:
+    return "".join(orjson.dumps(list(key)).decode() + "\n" for key in ids)

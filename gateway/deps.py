@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator
 
 from gateway.auth import Principal, TokenStore
 from gateway.config import GatewayConfig, Scope
@@ -24,12 +25,14 @@ from gateway.producer import GatewayProducer
 from gateway.prompts import PromptService
 from gateway.runs import RunRegistry
 from ingest.lake import Lake
+from schemas.bounds import check_run_id
 
 # Integers in paths and queries end up in Delta/Arrow int64 filters: bound them there.
 INT64_MAX = 2**63 - 1
 
 RunIdPath = Annotated[
-    str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Run id.")
+    str, Path(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="Run id."),
+    AfterValidator(check_run_id),
 ]
 DatasetNamePath = Annotated[
     str, Path(pattern=DATASET_NAME, description="Dataset name (also its folder name).")
@@ -56,16 +59,22 @@ MetricsDep = Annotated[GatewayMetrics, Depends(_state("metrics"))]
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
 
 
+def principal_for(tokens: TokenStore, token: str | None) -> Principal:
+    """The token's principal; 401 without a valid token."""
+    principal = tokens.authenticate(token)
+    if principal is None:
+        message = "invalid bearer token" if token else "missing bearer token"
+        raise ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    return principal
+
+
 async def authenticate(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     """The caller's principal; 401 without a valid bearer token."""
-    tokens: TokenStore = request.app.state.tokens
-    principal = tokens.authenticate(credentials.credentials if credentials else None)
-    if principal is None:
-        message = "invalid bearer token" if credentials else "missing bearer token"
-        raise ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+    principal = principal_for(request.app.state.tokens,
+                              credentials.credentials if credentials else None)
     # The access log names the principal, never the token.
     request.state.principal = principal.name
     return principal
@@ -99,7 +108,19 @@ def _global_scope(scope: Scope):
     return check
 
 
+def require_some_write(principal: Principal) -> None:
+    """403 unless the token may write at least one run: checked before any body is read."""
+    if "write" not in principal.scopes:
+        raise ApiError(403, f"token {principal.name!r} lacks 'write' scope")
+
+
+async def _some_write(principal: PrincipalDep) -> Principal:
+    require_some_write(principal)
+    return principal
+
+
 ReadRun = Annotated[Principal, Depends(_run_scope("read"))]
 WriteRun = Annotated[Principal, Depends(_run_scope("write"))]
 ReadGlobal = Annotated[Principal, Depends(_global_scope("read"))]
 WriteGlobal = Annotated[Principal, Depends(_global_scope("write"))]
+WriterDep = Annotated[Principal, Depends(_some_write)]

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ingest.lake import Lake
 from schemas.errors import RolloutlakeError
+from schemas.events import run_id_argument
 from schemas.tables import TRAINING_BATCHES
 
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
@@ -57,7 +58,7 @@ def group_audit(lake: Lake, run_id: str, group_index: int) -> GroupAuditData:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lake", required=True)
-    parser.add_argument("--run", required=True)
+    parser.add_argument("--run", required=True, type=run_id_argument)
     parser.add_argument("--group", type=int, required=True, help="group_index")
 
 

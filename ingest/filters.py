@@ -69,6 +69,7 @@ class MilesSample:
     prompt: Any = ""
     label: Any = None
     tokens: list[int] = field(default_factory=list)
+    response: str = ""  # the `response_text` of the rollout's sample_finished
     response_length: int = 0
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
@@ -116,10 +117,12 @@ def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesS
         prompt_tokens: list[int] = []
         response_tokens: list[int] = []
         loss_mask = log_probs = None
+        response = ""
     else:
         metadata.update(fragment.metadata)
         prompt_tokens, response_tokens = fragment.prompt_tokens, fragment.response_tokens
         loss_mask, log_probs = fragment.loss_mask, fragment.rollout_log_probs
+        response = fragment.response_text or ""
     return MilesSample(
         group_index=group.group_index,
         index=rollout.sample_index,
@@ -129,6 +132,7 @@ def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesS
         prompt=copy.deepcopy(group.prompt) if group.prompt is not None else "",
         label=copy.deepcopy(group.label),
         tokens=[*prompt_tokens, *response_tokens],
+        response=response,
         response_length=len(response_tokens),
         loss_mask=None if loss_mask is None else list(loss_mask),
         rollout_log_probs=None if log_probs is None else list(log_probs),

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.partitioner.default import murmur2
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -47,6 +48,12 @@ SECURITY_FIELDS = ("security_protocol", "sasl_mechanism", "sasl_username", "sasl
                    "ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_key_password",
                    "ssl_check_hostname")
 SECRET_FIELDS = ("sasl_password", "ssl_key_password")
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition a key belongs on (CONTRACT section 1): murmur2, as the Java client and
+    kafka-python compute it, and as librdkafka's `partitioner=murmur2_random` does."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
 @dataclass(frozen=True)

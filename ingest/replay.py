@@ -32,7 +32,7 @@ from ingest.core.model import FilterVerdict
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake
 from schemas.errors import ConfigError, RolloutlakeError
-from schemas.events import RunConfig, parse_event
+from schemas.events import RunConfig, parse_event, run_id_argument
 from schemas.tables import STEP_METRICS, STEPS
 
 
@@ -122,7 +122,7 @@ def write_effects(out: Lake, run_id: str, effects: list[Effects]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lake", required=True, help="lake holding the run's events archive")
-    parser.add_argument("--run", required=True, help="run id")
+    parser.add_argument("--run", required=True, type=run_id_argument, help="run id")
     parser.add_argument("--config", type=Path,
                         help="JSON file with the run's config (default: the archived run_started)")
     parser.add_argument("--filter", dest="filter_path",

@@ -32,7 +32,7 @@ from ingest.kafka_io import KafkaSettings
 from ingest.processor.decisions import decision_header
 from ingest.publisher import RolloutPublisher
 from schemas.errors import ConfigError, RolloutlakeError
-from schemas.events import DAPO_FILTER_PATH, SCHEMA_VERSION, event_group_key
+from schemas.events import DAPO_FILTER_PATH, SCHEMA_VERSION, RunId, event_group_key
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class SimulationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")] = "sim"
+    run_id: RunId = "sim"
     steps: Annotated[int, Field(ge=1)] = 5
     rollout_batch_size: Annotated[int, Field(ge=1)] = 32
     """Kept groups per step."""

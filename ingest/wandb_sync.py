@@ -32,6 +32,7 @@ import pyarrow as pa
 from ingest.lake import Lake, TxnMark
 from ingest.tail import StepTail
 from schemas.errors import ConfigError, RolloutlakeError
+from schemas.events import run_id_argument
 from schemas.tables import WANDB_SYNC
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def follow_all_runs(lake: Lake, run_ids: Callable[[], Iterable[str]], stop: thre
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lake", required=True, help="Delta lake root (folder or s3:// URI)")
-    parser.add_argument("--run", required=True, dest="run_id", help="run id to sync")
+    parser.add_argument("--run", required=True, type=run_id_argument, dest="run_id", help="run id to sync")
     parser.add_argument("--project", default=DEFAULT_PROJECT, help="W&B project")
     parser.add_argument("--entity", default=None, help="W&B entity (team or user)")
     parser.add_argument("--wandb-id", default=None, help="W&B run id (default: the run id)")

@@ -18,6 +18,7 @@ from rich.table import Table
 from ingest.lake import Lake
 from ingest.tail import SealedStep, StepTail
 from schemas.errors import ConfigError
+from schemas.events import run_id_argument
 
 DROP_PREFIX = "rollout/dynamic_filter/drop_"
 # (header, metric key, format); a missing key shows as "-".
@@ -75,7 +76,7 @@ def watch(lake: Lake, run_id: str, *, rows: int, poll_s: float, console: Console
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lake", required=True, help="Delta lake root (folder or s3:// URI)")
-    parser.add_argument("--run", required=True, dest="run_id", help="run id to watch")
+    parser.add_argument("--run", required=True, type=run_id_argument, dest="run_id", help="run id to watch")
     parser.add_argument("--rows", type=int, default=20, help="latest steps shown")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between lake checks")
     parser.add_argument("--once", action="store_true", help="print the table once and exit")

@@ -6,48 +6,126 @@ the producer SDK, the gateway and the stream processor all validate through them
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictFloat,
+    PlainValidator,
     StrictInt,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 
+from schemas.bounds import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT64_MAX,
+    JSON_INT_MAX,
+    JSON_INT_MIN,
+    MAX_OBJECT_BYTES,
+    TS_MAX,
+    FieldValueError,
+    check_json_value,
+    check_run_id,
+    check_text,
+)
 from schemas.errors import EventValidationError
 
 SCHEMA_VERSION = 1
 
-RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+# CONTRACT section 2 "Bounds": every number is bounded to what the tables store, so an
+# event the schema accepts can always be archived, decided and written.
+RunId = Annotated[
+    str,
+    Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$"),
+    AfterValidator(check_run_id),
+]
+_RUN_ID = TypeAdapter(RunId)
+
+
+def run_id_argument(value: str) -> str:
+    """argparse `type=` of every `--run` flag: a run id of the contract, or a one-line error."""
+    try:
+        return _RUN_ID.validate_python(value)
+    except ValidationError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a run id (1-128 characters of A-Z a-z 0-9 . _ -, "
+            "not '.' or '..')") from None
+
+
 EventId = Annotated[str, Field(min_length=1, max_length=128)]
-NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
-TokenIds = list[StrictInt]
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
+# Columns stored as int32: n_samples, fragment_count and fragment_index.
+PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
+NonNegativeInt32 = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]
+# rollout_log_probs are stored as float32.
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0, le=TS_MAX)]
 LossMask = list[Literal[0, 1]]
-# A reward keeps its JSON type: int 0 and float 0.0 give different DAPO drop reasons.
-Reward = StrictBool | StrictInt | StrictFloat | dict[str, Any] | None
+
+
+def _bounded_object(max_bytes: int | None):
+    def check(value: Any) -> Any:
+        check_json_value(value, max_bytes=max_bytes)
+        return value
+
+    return AfterValidator(check)
+
+
+# Free-form JSON (metadata, labels, chat messages, reward objects): nesting, numbers and
+# size bounded, checked without recursion (see schemas/bounds.py).
+JsonObject = Annotated[dict[str, Any], _bounded_object(MAX_OBJECT_BYTES)]
+JsonValue = Annotated[Any, _bounded_object(None)]
+
+
+def _reward(value: Any) -> Any:
+    """A reward keeps its JSON type: int 0 and float 0.0 give different DAPO drop reasons."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if not JSON_INT_MIN <= value <= JSON_INT_MAX:
+            raise FieldValueError("", "integer reward does not fit in 64 bits")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise FieldValueError("", f"reward {value} is not a finite number")
+        return value
+    if isinstance(value, dict):
+        check_json_value(value, max_bytes=MAX_OBJECT_BYTES)
+        return value
+    raise FieldValueError("", f"reward must be a number, a boolean, an object or null, "
+                              f"not {type(value).__name__}")
+
+
+# One validator instead of a union, so a bad reward gets one error that says what is wrong.
+Reward = Annotated[
+    Any,
+    PlainValidator(_reward),
+    WithJsonSchema({"anyOf": [
+        {"type": "boolean"},
+        {"type": "integer", "minimum": JSON_INT_MIN, "maximum": JSON_INT_MAX},
+        {"type": "number"},
+        {"type": "object", "additionalProperties": True},
+        {"type": "null"},
+    ]}),
+]
 
 DAPO_FILTER_PATH = "ingest.filters.reward_nonzero_std"
 MILES_DAPO_FILTER_ALIASES = (
     "miles.rollout.filter_hub.common_filters.apply_reward_nonzero_std_filter",
     "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
 )
-
-
-class FieldValueError(ValueError):
-    """A cross-field check failed; `field` is the field to blame in the error message."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 class _Event(BaseModel):
@@ -59,8 +137,15 @@ class _Event(BaseModel):
     type: str
     schema_version: Literal[1] = Field(description="Contract version; always 1.")
     run_id: RunId
-    ts: float | None = Field(default=None, description="Producer time, seconds since the epoch.")
+    ts: Timestamp | None = Field(default=None, description="Producer time, seconds since the epoch.")
     producer: str | None = Field(default=None, description="Worker or environment id.")
+
+    @model_validator(mode="after")
+    def _strings_storable(self) -> _Event:
+        for name, value in self.__dict__.items():
+            if isinstance(value, str):
+                check_text(value, name)
+        return self
 
 
 class RunConfig(BaseModel):
@@ -78,8 +163,14 @@ class RunConfig(BaseModel):
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus_baseline", "none"] = "grpo"
     std_normalization: bool = True
     max_staleness: NonNegativeInt = 0
-    group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    group_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
     partial_rollout: bool = False
+
+    @model_validator(mode="after")
+    def _extra_keys_storable(self) -> RunConfig:
+        for key, value in (self.model_extra or {}).items():
+            check_json_value(value, path=key)
+        return self
 
     @model_validator(mode="after")
     def _over_sampling_at_least_batch(self) -> RunConfig:
@@ -119,16 +210,22 @@ class PromptRef(BaseModel):
     dataset: str
     row: NonNegativeInt
 
+    @model_validator(mode="after")
+    def _extra_keys_storable(self) -> PromptRef:
+        for key, value in (self.model_extra or {}).items():
+            check_json_value(value, path=key)
+        return self
+
 
 class GroupStarted(_Event):
     type: Literal["group_started"] = "group_started"
     group_index: NonNegativeInt
     step: NonNegativeInt = Field(description="The step whose weights generate this group.")
-    n_samples: PositiveInt
-    prompt: str | list[dict[str, Any]] | None = None
-    label: Any = None
+    n_samples: PositiveInt32
+    prompt: str | list[Annotated[dict[str, Any], _bounded_object(None)]] | None = None
+    label: JsonValue = None
     prompt_ref: PromptRef | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
 
 
 class _FragmentFields(_Event):
@@ -141,8 +238,8 @@ class _FragmentFields(_Event):
     loss_mask: LossMask | None = Field(
         default=None, description="0/1 per response token; absent means all ones."
     )
-    rollout_log_probs: list[FiniteFloat] | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    rollout_log_probs: list[LogProb] | None = None
+    metadata: JsonObject = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _per_token_lengths_match(self) -> _FragmentFields:
@@ -168,11 +265,11 @@ class SampleFinished(_FragmentFields):
     reward: Reward = Field(
         default=None, description="Absent: the reward comes in a `reward` event; null: failed."
     )
-    fragment_count: PositiveInt = 1
-    fragment_index: NonNegativeInt | None = Field(
+    fragment_count: PositiveInt32 = 1
+    fragment_index: NonNegativeInt32 | None = Field(
         default=None, description="Defaults to fragment_count - 1."
     )
-    weight_version: StrictInt | None = None
+    weight_version: NonNegativeInt | None = None
     response_text: str | None = None
 
     @model_validator(mode="after")
@@ -197,7 +294,7 @@ class SampleFinished(_FragmentFields):
 
 class CompactionFragment(_FragmentFields):
     type: Literal["compaction_fragment"] = "compaction_fragment"
-    fragment_index: NonNegativeInt
+    fragment_index: NonNegativeInt32
 
 
 class RewardEvent(_Event):
@@ -235,9 +332,27 @@ _EVENT_ADAPTERS = {name: TypeAdapter(model) for name, model in EVENT_MODELS.item
 _ANY_EVENT_JSON = TypeAdapter(Annotated[AnyEvent, Field(discriminator="type")])
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _most_specific(errors: list[Any]) -> Any:
+    """Of a union's errors, the one that says most: a failed check over a type mismatch,
+    then the deepest position (a list given for `prompt` is blamed for its content, not for
+    not being a string)."""
+    return min(enumerate(errors), key=lambda item: (
+        item[1]["type"].endswith("_type") and len(errors) > 1, -len(item[1]["loc"]), item[0]
+    ))[1]
+
+
 def _describe(err: ValidationError, event_type: str, event_id: Any) -> EventValidationError:
-    first = err.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    if len(errors) > 1 and len({e["loc"][:1] for e in errors}) == 1:
+        first = _most_specific(errors)  # several branches of one union field failed
+    # Union branches appear in `loc` as their type tags (`list[...]`, `str`); drop them.
+    loc = ".".join(str(p) for i, p in enumerate(first["loc"])
+                   if not (i == 1 and len(errors) > 1 and isinstance(p, str)
+                           and (p in _UNION_TAGS or "[" in p)))
     msg = first["msg"]
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, FieldValueError):
@@ -288,8 +403,28 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
-        raise EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)") from None
+        not_json = EventValidationError(f"message is not valid UTF-8 JSON: {err}", field="(event)")
+        try:
+            lenient = load_json(raw)
+        except orjson.JSONDecodeError:
+            raise not_json from None
+        # Still refused (the archive is re-read with orjson), but with the field to blame.
+        parse_event(lenient, allowed=allowed)
+        raise not_json from None
     return parse_event(data, allowed=allowed)
+
+
+def load_json(raw: bytes | str) -> Any:
+    """Decode JSON with orjson; what only Python's lenient reader takes (`NaN`, `Infinity`,
+    numbers beyond a double) is read with it, so validation can name the field to blame.
+    Raises orjson.JSONDecodeError when neither reads it."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as strict_error:
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise strict_error from None
 
 
 def encode_event(event: BaseModel) -> bytes:
@@ -298,7 +433,12 @@ def encode_event(event: BaseModel) -> bytes:
     # `type` and `schema_version` may be left at their defaults but are required on the wire.
     body["type"] = event.type
     body["schema_version"] = SCHEMA_VERSION
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as err:  # a nested string the field checks do not reach
+        raise EventValidationError(
+            f"{event.type} event {getattr(event, 'event_id', None)!r}: cannot be written as "
+            f"JSON: {err}", field="(event)", event_type=event.type) from None
 
 
 def event_group_key(run_id: str, group_index: int) -> bytes:

@@ -11,14 +11,14 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import Principal
 from gateway.dedup import RecentIds
-from gateway.deps import MetricsDep, PrincipalDep, ProducerDep, RecentIdsDep, require
+from gateway.deps import MetricsDep, ProducerDep, RecentIdsDep, WriterDep, require
 from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer, Record
 from gateway.responses import AUTH, errors
 from ingest.kafka_io import MAX_EVENT_BYTES
 from schemas.errors import BrokerUnavailableError, EventValidationError
-from schemas.events import AnyEvent, encode_event, event_group_key, parse_event
+from schemas.events import AnyEvent, encode_event, event_group_key, load_json, parse_event
 
 router = APIRouter(tags=["events"])
 
@@ -29,7 +29,7 @@ class EventsAccepted(BaseModel):
     accepted: int
     """Events published now."""
     duplicates: int
-    """Events skipped because this gateway already accepted their `event_id`."""
+    """Events skipped because this gateway already accepted their `(run_id, event_id)`."""
 
 
 class EventError(BaseModel):
@@ -67,7 +67,7 @@ def _decode(body: bytes, content_type: str) -> list[Any]:
             if not line:
                 continue
             try:
-                items.append(orjson.loads(line))
+                items.append(load_json(line))
             except orjson.JSONDecodeError as err:
                 errors.append({"index": len(items), "field": "(event)",
                                "reason": f"line is not valid JSON: {err}"})
@@ -76,7 +76,7 @@ def _decode(body: bytes, content_type: str) -> list[Any]:
             raise _reject(errors, len(items))
         return items
     try:
-        items = orjson.loads(body)
+        items = load_json(body)
     except orjson.JSONDecodeError as err:
         raise _reject([{"index": None, "field": "(body)",
                         "reason": f"body is not valid JSON: {err}"}], 0) from None
@@ -92,8 +92,18 @@ def _record(event: AnyEvent, value: bytes, producer: GatewayProducer) -> Record:
     return producer.topics.events, event_group_key(event.run_id, event.group_index), value
 
 
+def _require_write(items: list[Any], principal: Principal) -> None:
+    """403 before validation: a caller without write access learns nothing about its input.
+    Run ids are read from the raw items; an item without one is invalid anyway (422)."""
+    run_ids = {item["run_id"] for item in items
+               if isinstance(item, dict) and isinstance(item.get("run_id"), str)}
+    for run_id in sorted(run_ids):
+        require(principal, "write", run_id)
+
+
 def _validate_and_publish(items: list[Any], principal: Principal, producer: GatewayProducer,
                           recent: RecentIds, metrics: GatewayMetrics) -> EventsAccepted:
+    _require_write(items, principal)
     events: list[tuple[AnyEvent, bytes]] = []
     errors: list[dict[str, Any]] = []
     for index, item in enumerate(items):
@@ -111,10 +121,8 @@ def _validate_and_publish(items: list[Any], principal: Principal, producer: Gate
         events.append((event, value))
     if errors:
         raise _reject(errors, len(items))
-    for run_id in sorted({event.run_id for event, _ in events}):
-        require(principal, "write", run_id)
-    fresh, dups = recent.claim([event.event_id for event, _ in events])
-    fresh_ids = [events[i][0].event_id for i in fresh]
+    fresh, dups = recent.claim([(event.run_id, event.event_id) for event, _ in events])
+    fresh_ids = [(events[i][0].run_id, events[i][0].event_id) for i in fresh]
     try:
         producer.send([_record(*events[i], producer) for i in fresh])
     except BrokerUnavailableError:
@@ -138,16 +146,17 @@ def _validate_and_publish(items: list[Any], principal: Principal, producer: Gate
         422: {"model": EventsRejected, "description": "Invalid events; none was published."},
     },
 )
-async def publish_events(request: Request, principal: PrincipalDep, producer: ProducerDep,
+async def publish_events(request: Request, principal: WriterDep, producer: ProducerDep,
                          recent: RecentIdsDep, metrics: MetricsDep) -> EventsAccepted:
     """Publish a batch of events: a JSON array, or NDJSON (`application/x-ndjson`).
 
     Every event is validated against CONTRACT section 2 first; if any is invalid the
     answer is 422 with the index, field and reason of each bad event, and nothing is
     published. Trajectory events are keyed `run_id:group_index`, `run_started` goes to the
-    runs topic. `duplicates` counts events whose `event_id` this gateway already accepted
-    (they are not published again). On 503 nothing is acknowledged; retrying with the
-    same `event_id`s is safe.
+    runs topic. `duplicates` counts events whose `(run_id, event_id)` this gateway already
+    accepted (they are not published again). On 503 nothing is acknowledged; retrying with
+    the same `event_id`s is safe. Authorization comes first: 401 without a valid token and
+    403 for a token that may not write every run named in the body, whatever the body holds.
     """
     items = _decode(await request.body(), request.headers.get("content-type", ""))
     return await run_in_threadpool(_validate_and_publish, items, principal, producer, recent,

@@ -17,6 +17,7 @@ from gateway.deps import (
     ReadRun,
     RunIdPath,
     RunsDep,
+    WriterDep,
     require,
 )
 from gateway.errors import ApiError
@@ -60,7 +61,7 @@ def _out(info: RunInfo) -> RunOut:
     403: "The token may not write this run.",
     422: "Invalid config (the message names the field) or unknown dataset.",
 }))
-async def start_run(body: RunCreate, principal: PrincipalDep, producer: ProducerDep,
+async def start_run(body: RunCreate, principal: WriterDep, producer: ProducerDep,
                     datasets: DatasetsDep, runs: RunsDep) -> RunOut:
     """Start (or reconfigure) a run: validate its config and publish `run_started`.
 

@@ -119,6 +119,7 @@ def _fragment(event: SampleFinished | CompactionFragment, index: int) -> Fragmen
         loss_mask=event.loss_mask,
         rollout_log_probs=event.rollout_log_probs,
         metadata=event.metadata,
+        response_text=event.response_text if isinstance(event, SampleFinished) else None,
     )
 
 

@@ -20,9 +20,10 @@ import pyarrow.compute as pc
 from kafka import TopicPartition
 
 from ingest.core.assembly import GroupBuilder
-from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.decided import FRAGMENTS, DecidedGroup, fragments_table, header_for
 from ingest.core.model import FilterVerdict
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
+from ingest.kafka_io import key_partition
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened
@@ -34,6 +35,7 @@ from schemas.events import (
     AnyEvent,
     GroupStarted,
     decode_event,
+    event_group_key,
     parse_event,
 )
 from schemas.tables import EVENTS, utc_micros
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 GroupKey = tuple[str, int]
 NO_GROUP_STARTED = "no group_started"
+UNSTORABLE = "unstorable"  # decision reason of a group whose decision could not be built
 
 
 @dataclass
@@ -59,25 +62,46 @@ class _Opened:
     at: float
 
 
+def _check_cell(name: str, value: Any, type_: pa.DataType) -> None:
+    """Raise ValueError for a value the column cannot hold (the schema should have refused it;
+    this keeps one such row from failing the whole Arrow table of a poll)."""
+    if value is None or isinstance(value, bytes):
+        return
+    if pa.types.is_integer(type_):
+        bound = 1 << (type_.bit_width - 1)
+        if not isinstance(value, int) or not -bound <= value < bound:
+            raise ValueError(f"{name} {value!r} does not fit the {type_} column")
+    elif pa.types.is_string(type_):
+        value.encode("utf-8")
+
+
 class ArchiveRows:
     """`events` rows built column by column (payloads stay bytes until one Arrow cast)."""
 
     def __init__(self) -> None:
         self.columns: dict[str, list[Any]] = {name: [] for name in EVENTS.schema.names}
 
+    @staticmethod
+    def row(record: Any, event: AnyEvent) -> dict[str, Any]:
+        """One row, checked against the column types; raises ValueError when it cannot be stored."""
+        row = {
+            "run_id": event.run_id, "event_id": event.event_id, "type": event.type,
+            "group_index": getattr(event, "group_index", None),
+            "rollout_id": getattr(event, "rollout_id", None),
+            "topic": record.topic, "partition": record.partition, "offset": record.offset,
+            "ingested_at": utc_micros(time.time()), "payload": record.value,
+            "step": event.step if isinstance(event, GroupStarted) else None,
+        }
+        for name, value in row.items():
+            _check_cell(name, value, EVENTS.schema.field(name).type)
+        return row
+
+    def append(self, row: dict[str, Any]) -> None:
+        for name, column in self.columns.items():
+            column.append(row[name])
+
     def add(self, record: Any, event: AnyEvent) -> None:
-        c = self.columns
-        c["run_id"].append(event.run_id)
-        c["event_id"].append(event.event_id)
-        c["type"].append(event.type)
-        c["group_index"].append(getattr(event, "group_index", None))
-        c["rollout_id"].append(getattr(event, "rollout_id", None))
-        c["topic"].append(record.topic)
-        c["partition"].append(record.partition)
-        c["offset"].append(record.offset)
-        c["ingested_at"].append(utc_micros(time.time()))
-        c["payload"].append(record.value)
-        c["step"].append(event.step if isinstance(event, GroupStarted) else None)
+        self.append(self.row(record, event))
 
     def __len__(self) -> int:
         return len(self.columns["run_id"])
@@ -108,6 +132,9 @@ class GroupStage(Stage):
         self.dead: set[GroupKey] = set()  # timed out without a group_started
         self.recorded: dict[int, int | None] = {}  # partition -> archive txn version
         self._runs_recorded: dict[str, int | None] = {}  # runs app id -> archive txn version
+        # (run_id, event_id) -> group_index of every archived event of the partitions taken
+        # over: an id is unique within its run (CONTRACT section 2), across its groups.
+        self.event_groups: dict[tuple[str, str], int] = {}
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -132,7 +159,20 @@ class GroupStage(Stage):
             self.check_continuity(tp, recorded)
             self.recorded[tp.partition] = recorded
             self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
+            self._load_event_ids(tp.partition)
             self._rebuild(tp.partition)
+
+    def _load_event_ids(self, partition: int) -> None:
+        archive = self.lake.read(
+            "events",
+            filter=(pc.field("topic") == self.topics.events) & (pc.field("partition") == partition),
+            columns=["run_id", "event_id", "group_index"],
+        )
+        self.event_groups.update(zip(
+            zip(archive.column("run_id").to_pylist(), archive.column("event_id").to_pylist(),
+                strict=True),
+            archive.column("group_index").to_pylist(), strict=True,
+        ))
 
     def _rebuild(self, partition: int) -> None:
         """Re-assemble the partition's undecided groups from the archive, in offset order."""
@@ -176,6 +216,34 @@ class GroupStage(Stage):
         return _Batch()
 
     def _handle(self, record: Any, batch: _Batch) -> None:
+        try:
+            self._handle_record(record, batch)
+        except Exception as err:  # noqa: BLE001 - nothing a producer sends may stop the stage
+            log.exception("record %s[%d]@%d could not be processed", record.topic,
+                          record.partition, record.offset)
+            self.dead_letters.add(record.topic, record.partition, record.offset,
+                                  f"cannot be processed: {type(err).__name__}: {err}",
+                                  record.value)
+
+    def _wrong_partition(self, record: Any, run_id: str, group_index: int) -> str | None:
+        """Why the event is on another partition than its group's key hashes to, or None."""
+        pending = self.pending.get((run_id, group_index))
+        if pending is not None and pending.partition == record.partition:
+            return None  # the group's first event was checked (or archived) here
+        partitions = self.consumer.partitions_for_topic(record.topic)
+        if not partitions:
+            return None
+        key = event_group_key(run_id, group_index)
+        expected = key_partition(key, len(partitions))
+        if expected == record.partition:
+            return None
+        return (f"event arrived on partition {record.partition}, but its group's key "
+                f"{key.decode()!r} belongs on partition {expected} of {len(partitions)} "
+                "(murmur2, CONTRACT section 1): the producer uses another partitioner; "
+                "librdkafka-based clients must set partitioner=murmur2_random "
+                "(docs/producers.md)")
+
+    def _handle_record(self, record: Any, batch: _Batch) -> None:
         partition, offset = record.partition, record.offset
         recorded = self.recorded.get(partition)
         if recorded is not None and offset <= recorded:
@@ -186,14 +254,23 @@ class GroupStage(Stage):
             self.dead_letters.add(record.topic, partition, offset, str(err), record.value)
             return
         key = (event.run_id, event.group_index)
-        reject = None
-        if key in self.decided:
+        reject = self._wrong_partition(record, event.run_id, event.group_index)
+        owner = self.event_groups.get((event.run_id, event.event_id))
+        if reject is not None:
+            pass
+        elif owner == event.group_index:
+            return  # a duplicate delivery of an event already archived
+        elif owner is not None:
+            reject = (f"event_id {event.event_id!r} is already used by group {owner} of run "
+                      f"{event.run_id}: an event id is unique within its run")
+        elif key in self.decided:
             if event.event_id in self.decided[key]:
                 return  # a duplicate delivery of an event already applied
             reject = f"group {event.group_index} of run {event.run_id} is already decided"
         elif key in self.dead:
             reject = f"{NO_GROUP_STARTED} for group {event.group_index}: the group was dead-lettered"
         if reject is None:
+            row = ArchiveRows.row(record, event)  # raises before the group changes
             pending = self.pending.get(key)
             if pending is None:
                 pending = self.pending[key] = _Pending(
@@ -207,7 +284,8 @@ class GroupStage(Stage):
             self.dead_letters.add(record.topic, partition, offset, reject, record.value,
                                   run_id=event.run_id, group_index=event.group_index)
             return
-        batch.archive.add(record, event)
+        batch.archive.append(row)
+        self.event_groups[(event.run_id, event.event_id)] = event.group_index
         if isinstance(event, GroupStarted):
             batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, time.time()))
         if pending.builder.group.complete and pending.completed_at is None:
@@ -239,9 +317,24 @@ class GroupStage(Stage):
         pending = self.pending.pop(key)
         config = self.runs.get(key[0])
         group = pending.builder.group
-        header = header_for(group, verdict, decided_at=time.time(), source=source, offered=offered)
-        fragments = fragments_table(group, config.reward_key if config else None,
-                                    with_tokens=verdict.keep)
+        decided_at = time.time()
+        try:
+            header = header_for(group, verdict, decided_at=decided_at, source=source,
+                                offered=offered)
+            fragments = fragments_table(group, config.reward_key if config else None,
+                                        with_tokens=verdict.keep)
+            header.to_json()  # fails here, not after the archive commit, if it cannot encode
+        except Exception as err:  # noqa: BLE001 - a group that cannot be stored is dropped
+            error = (f"group {group.group_index} of run {group.run_id} cannot be stored: "
+                     f"{type(err).__name__}: {err}")
+            log.exception("%s", error)
+            if source["offset"] >= 0:
+                self.dead_letters.add(self.topics.events, source["partition"], source["offset"],
+                                      error, None, run_id=group.run_id,
+                                      group_index=group.group_index)
+            header = header_for(group, FilterVerdict(False, UNSTORABLE), decided_at=decided_at,
+                                source=source, offered=offered)
+            fragments = FRAGMENTS.empty_table()
         batch.decisions.append(DecidedGroup(header, fragments))
         self.decided[key] = pending.builder.event_ids
 

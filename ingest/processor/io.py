@@ -126,6 +126,8 @@ class DeadLetters:
         if key in self.known():
             return
         self._known.add(key)
+        # Reasons may quote input: keep a lone surrogate from failing the table write.
+        error = error.encode("utf-8", "backslashreplace").decode("utf-8")
         self.rows.append(
             {
                 "topic": topic, "partition": partition, "offset": offset, "error": error,

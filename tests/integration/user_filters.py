@@ -18,3 +18,16 @@ def drop_long(args, samples, **kwargs):
     flat = [s for x in samples for s in (x if isinstance(x, list) else [x])]
     mean = sum(s.response_length for s in flat) / len(flat)
     return FilterOutput(keep=mean <= args.max_len, reason="too_long")
+
+
+def reason_not_utf8(args, samples, **kwargs):
+    """Drops every group with a reason no JSON encoder writes (a lone surrogate)."""
+    return FilterOutput(keep=False, reason="bad\udc80reason")
+
+
+def keep_boxed_answers(args, samples, **kwargs):
+    """A Miles-style filter over the generated text: keep groups where some response has a
+    boxed answer."""
+    flat = [s for x in samples for s in (x if isinstance(x, list) else [x])]
+    keep = any("\\boxed{" in s.response for s in flat)
+    return FilterOutput(keep=keep, reason=None if keep else "no_answer")
