@@ -164,7 +164,9 @@ class GroupStage(Stage):
             group = self.pending[key].builder.group
             if group.started:  # the notice may not have gone out before the restart
                 batch.decisions.append(_Opened(key[0], key[1], group.step, group.first_event_at))
-        for key in sorted(rebuilt, key=lambda k: self.pending[k].completed_at or (partition, 1 << 62)):
+        # Only complete groups are decided; the others wait for their remaining events.
+        complete = [k for k in rebuilt if self.pending[k].completed_at is not None]
+        for key in sorted(complete, key=lambda k: self.pending[k].completed_at):
             self._try_decide(key, batch)
         log.info("partition %d: rebuilt %d undecided groups", partition, len(rebuilt))
         self._publish(batch.decisions)
