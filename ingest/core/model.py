@@ -24,6 +24,7 @@ class Fragment:
     loss_mask: list[int] | None = None  # None means all ones
     rollout_log_probs: list[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    event_id: str | None = None  # the event that carried it
 
     @property
     def response_length(self) -> int:

@@ -139,17 +139,22 @@ class GroupStage(Stage):
         archive = self.lake.read(
             "events",
             filter=(pc.field("topic") == self.topics.events) & (pc.field("partition") == partition),
-            columns=["run_id", "group_index", "offset", "ingested_at", "payload"],
+            columns=["run_id", "group_index", "event_id", "offset", "ingested_at", "payload"],
         )
         if archive.num_rows == 0:
             return
         archive = archive.sort_by("offset")
         rebuilt = []
-        for run_id, group_index, offset, ingested_at, payload in zip(
+        for run_id, group_index, event_id, offset, ingested_at, payload in zip(
             *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
         ):
             key = (run_id, group_index)
-            if key in self.decided or key in self.dead:
+            if key in self.decided:
+                # A late redelivery of this event is a duplicate, not an event for a
+                # decided group.
+                self.decided[key].add(event_id)
+                continue
+            if key in self.dead:
                 continue
             pending = self.pending.get(key)
             if pending is None:
@@ -205,6 +210,8 @@ class GroupStage(Stage):
             if result.status == "duplicate":
                 return
             reject = result.reason
+            if result.evicted:
+                self._dead_letter_evicted(key, result.evicted, batch)
         if reject is not None:
             self.dead_letters.add(record.topic, partition, offset, reject, record.value,
                                   run_id=event.run_id, group_index=event.group_index)
@@ -215,6 +222,31 @@ class GroupStage(Stage):
         if pending.builder.group.complete and pending.completed_at is None:
             pending.completed_at = (partition, offset)
             self._try_decide(key, batch)
+
+    def _dead_letter_evicted(self, key: GroupKey, evicted: tuple[tuple[str, str], ...],
+                             batch: _Batch) -> None:
+        """Dead-letter archived fragments that turned out to lie beyond their rollout's
+        fragment_count (their archive rows stay: replay evicts them the same way)."""
+        reasons = dict(evicted)
+        found: dict[str, tuple[str, int, int, bytes]] = {}
+        c = batch.archive.columns
+        for i, event_id in enumerate(c["event_id"]):
+            if event_id in reasons and c["run_id"][i] == key[0]:
+                found[event_id] = (c["topic"][i], c["partition"][i], c["offset"][i], c["payload"][i])
+        missing = [e for e in reasons if e not in found]
+        if missing:
+            archived = self.lake.read(
+                "events",
+                filter=(pc.field("run_id") == key[0]) & pc.field("event_id").isin(missing),
+                columns=["event_id", "topic", "partition", "offset", "payload"],
+            )
+            for event_id, topic, partition, offset, payload in zip(
+                *(archived.column(n).to_pylist() for n in archived.column_names), strict=True
+            ):
+                found[event_id] = (topic, partition, offset, payload.encode())
+        for event_id, (topic, partition, offset, raw) in found.items():
+            self.dead_letters.add(topic, partition, offset, reasons[event_id], raw,
+                                  run_id=key[0], group_index=key[1])
 
     def _try_decide(self, key: GroupKey, batch: _Batch) -> None:
         pending = self.pending[key]
