@@ -85,7 +85,7 @@ class Group:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     rollouts: dict[int, Rollout] = field(default_factory=dict)
-    first_event_at: float = 0.0  # ingestion time of the first event, seconds since the epoch
+    first_event_at: float = 0.0  # event time of the first event, seconds since the epoch
 
     @property
     def complete(self) -> bool:
