@@ -76,7 +76,7 @@ class BatchStage(Stage):
         self.closed_steps: set[tuple[str, int]] = set()
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
         self.merges: dict[int, DecisionMerge] = {}  # decisions partition -> held items
-        self._applied = False  # this poll applied something (not only watermarks)
+        self._applied = False  # this poll took over or applied something, not only watermarks
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -94,6 +94,7 @@ class BatchStage(Stage):
             zip(metrics.column("run_id").to_pylist(), metrics.column("step").to_pylist(), strict=True)
         )
         end = self.consumer.end_offsets(list(assigned)) if assigned else {}
+        self._applied = True  # a take-over is activity: idle counts from here
         events = self.consumer.partitions_for_topic(self.topics.events)
         event_partitions = len(events) if events else self.config.kafka.event_partitions
         for tp in assigned:

@@ -31,7 +31,7 @@ from schemas.tables import TABLES
 from tests.integration.pipeline import run_processor
 
 SIM = SimulationConfig(
-    run_id="chaos", steps=10, rollout_batch_size=4, n_samples=4, response_len_mean=48,
+    run_id="chaos", steps=7, rollout_batch_size=4, n_samples=4, response_len_mean=48,
     prompt_len=16, compaction_rate=0.15, duplicate_rate=0.05, abort_rate=0.03,
     missing_reward_rate=0.03, seed=11, tokens_per_s=60.0,  # about a second per group
 )
@@ -132,12 +132,13 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
         except BaseException as err:  # reported by the test thread
             failures.append(err)
 
+    started = time.monotonic()
     victim, other = _spawn(chaos, chaos_lake), _spawn(chaos, chaos_lake)
     simulation = threading.Thread(target=simulate)
     simulation.start()
     kills = 0
     while kills < KILLS or simulation.is_alive():
-        time.sleep(rng.uniform(1.5, 5.0))
+        time.sleep(rng.uniform(1.5, 4.5))
         _kill(victim)
         kills += 1
         victim = _spawn(chaos, chaos_lake)
@@ -147,6 +148,7 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
         if kills > 3 * KILLS:
             break
     simulation.join(timeout=200)
+    phases = {"chaos": time.monotonic() - started}
     assert not failures, failures
     assert not simulation.is_alive(), "the simulation did not finish"
     _kill(victim)
@@ -156,11 +158,15 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     time.sleep(SESSION_TIMEOUT_S + 1)
     final = _spawn(chaos, chaos_lake, until_idle=4.0)
     assert final.wait(timeout=240) == 0, final.stderr.read().decode()[-3000:]
+    phases["drain"] = time.monotonic() - started - sum(phases.values())
 
     reference = _kafka(broker, f"ref{uuid.uuid4().hex[:6]}.")
     assert _copy_topics(chaos, reference) > 0
     reference_lake = str(tmp_path / "reference")
     run_processor(reference, reference_lake, idle_s=4.0, consumer_group="chaos-reference")
+    phases["reference"] = time.monotonic() - started - sum(phases.values())
+    print(f"{kills} kills; seconds per phase: "
+          + ", ".join(f"{name} {s:.0f}" for name, s in phases.items()))
 
     got, ref = Lake(chaos_lake), Lake(reference_lake)
     _assert_keys_once(got)
