@@ -36,6 +36,7 @@ SIM = SimulationConfig(
     missing_reward_rate=0.03, seed=11, tokens_per_s=60.0,  # about a second per group
 )
 KILLS = 8
+MAX_KILLS = 12  # while the run is still going; each kill stalls its partitions a while
 GROUP = "chaos"
 SESSION_TIMEOUT_S = ProcessorConfig.model_fields["session_timeout_ms"].default / 1000
 # Columns that hold the wall clock or a table version (commit history), not the data.
@@ -137,7 +138,7 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     simulation = threading.Thread(target=simulate)
     simulation.start()
     kills = 0
-    while kills < KILLS or simulation.is_alive():
+    while kills < KILLS or (simulation.is_alive() and kills < MAX_KILLS):
         time.sleep(rng.uniform(1.5, 4.5))
         _kill(victim)
         kills += 1
@@ -145,8 +146,6 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
         if kills == KILLS // 2:
             _kill(other)  # the other instance restarts once too
             other = _spawn(chaos, chaos_lake)
-        if kills > 3 * KILLS:
-            break
     simulation.join(timeout=200)
     phases = {"chaos": time.monotonic() - started}
     assert not failures, failures
