@@ -1,9 +1,9 @@
 """Event time and the order of decisions: what makes batches a function of the events.
 
 Event time. Every archived trajectory event gets an event time, in integer microseconds:
-its `ts`, else its Kafka record timestamp; never later than the record timestamp (a
-producer clock ahead cannot time out other groups), and never earlier than its
-partition's watermark, the largest event time archived on that partition so far. Event
+its `ts`, else its Kafka record timestamp; never later than the record timestamp nor
+than `MAX_AHEAD_S` after the moment it is read (a producer clock ahead cannot time out
+other groups), and never earlier than its partition's watermark, the largest event time archived on that partition so far. Event
 time therefore only grows along a partition. The archive stores it (`events.event_time`),
 so a restart and `rolloutlake replay` see exactly the times the live processor used.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPENED, DECIDED = 0, 1  # a group is opened before it can be decided at the same time
+MAX_AHEAD_S = 5.0  # beyond the reader's clock: a record timestamp set in the future
 
 
 def micros(seconds: float) -> int:
@@ -54,6 +55,7 @@ class PartitionClock:
             own = micros(read_at)
         if stamp is not None:
             own = min(own, stamp)
+        own = min(own, micros(read_at + MAX_AHEAD_S))
         return own if self.watermark_us is None else max(own, self.watermark_us)
 
     def advance(self, at_us: int) -> bool:

@@ -22,6 +22,8 @@ def test_event_time_is_ts_at_most_the_record_time_and_never_before_the_watermark
     assert clock.event_time(50.0, 11_000, read_at=99.0) == 11_000_000  # clock ahead: clamped
     assert clock.event_time(None, 12_000, read_at=99.0) == 12_000_000
     assert clock.event_time(None, None, read_at=99.0) == 99_000_000
+    # a record timestamp far in the future (a raw producer) counts as just ahead of now
+    assert clock.event_time(None, 10**12, read_at=99.0) == 104_000_000
     assert clock.advance(12_000_000) and not clock.advance(11_000_000)
     assert clock.event_time(10.5, 11_000, read_at=99.0) == 12_000_000
 
