@@ -14,6 +14,8 @@ import pyarrow.compute as pc
 
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.main import Processor
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
 from schemas.events import event_group_key
@@ -103,3 +105,36 @@ def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_ag
              "--out", str(tmp_path / f"replayed-{os.path.basename(lake)}"), "--check"],
             capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_groups_complete_before_their_run_started_take_their_completion_order(kafka, lake_root,
+                                                                             tmp_path):
+    run = "late-run"
+    processor = Processor(ProcessorConfig(kafka=kafka, lake=lake_root, until_idle_s=4.0))
+    running = threading.Thread(target=processor.run)
+    running.start()
+    deadline = time.monotonic() + 60
+    while not all(stage.joined for stage in processor.stages):
+        assert time.monotonic() < deadline, "the processor did not join"
+        time.sleep(0.1)
+    # Group 0 starts first but completes last; group 1 completes first. Both are kept for
+    # step 0, which takes one group: the first to complete fills it, the other is surplus.
+    publish(kafka, run, None, [
+        event("group_started", run, group_index=0, step=0, n_samples=2),
+        event("group_started", run, group_index=1, step=0, n_samples=2),
+        sample(run, 0, 0, 1.0), sample(run, 1, 0, 1.0), sample(run, 1, 1, 0.0),
+    ])
+    time.sleep(0.5)
+    publish(kafka, run, None, [sample(run, 0, 1, 0.0)])
+    time.sleep(2.0)  # both complete, waiting for their run's config
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
+    running.join(timeout=120)
+    assert not running.is_alive()
+    decided = by_group(lake_root, run)
+    assert {g: (d["decision"], d["batch_step"]) for g, d in decided.items()} == {
+        0: ("surplus", None), 1: ("kept", 0)}
+    result = subprocess.run(
+        [sys.executable, "-m", "ingest.cli", "replay", "--lake", lake_root, "--run", run,
+         "--out", str(tmp_path / "replayed"), "--check"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
