@@ -139,6 +139,7 @@ class BatchStage(Stage):
 
     def _handle(self, record: Any, pending: _Pending) -> None:
         merge = self.merges[record.partition]
+        late = merge.late
         mark = watermark_notice(record)
         if mark is not None:
             merge.watermark(mark["partition"], mark["at_us"])
@@ -159,8 +160,11 @@ class BatchStage(Stage):
                 key = OrderKey(-1 if header.at_us is None else header.at_us,
                                header.source.get("partition", -1), header.source.get("offset", -1),
                                DECIDED, header.run_id, header.group_index)
+            applied = self.batchers.get(key.run_id)
+            if applied is not None and key.group_index in (
+                    applied.opened if key.kind == OPENED else applied.decided):
+                return  # sent again after a group-stage restart; the first one stands
             merge.add(key, (record.offset, notice, header, record.value))
-        late = merge.late
         for _key, (offset, notice, header, value) in merge.ready():
             self._applied = True
             if notice is not None:
