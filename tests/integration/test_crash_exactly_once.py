@@ -55,17 +55,22 @@ def _kafka(broker, prefix: str) -> KafkaSettings:
     return kafka
 
 
-def _spawn(kafka: KafkaSettings, lake: str, until_idle: float | None = None):
+def _spawn(kafka: KafkaSettings, lake: str, logs, until_idle: float | None = None):
+    """A processor instance; its log goes to a file (a pipe nobody reads would fill up and
+    stall it)."""
     cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
            kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
            "--event-partitions", "4", "--consumer-group", GROUP]
     if until_idle is not None:
         cmd += ["--until-idle", str(until_idle)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = logs / f"instance-{len(list(logs.iterdir()))}.log"
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    process.log = log
+    return process
 
 
 def _kill(process: subprocess.Popen) -> None:
-    assert process.poll() is None, process.stderr.read().decode()[-3000:]
+    assert process.poll() is None, process.log.read_text()[-3000:]
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -124,6 +129,8 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     rng = random.Random(seed)
     chaos = _kafka(broker, f"chaos{uuid.uuid4().hex[:6]}.")
     chaos_lake = str(tmp_path / "chaos")
+    logs = tmp_path / "logs"
+    logs.mkdir()
 
     failures: list[BaseException] = []
 
@@ -134,7 +141,7 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
             failures.append(err)
 
     started = time.monotonic()
-    victim, other = _spawn(chaos, chaos_lake), _spawn(chaos, chaos_lake)
+    victim, other = _spawn(chaos, chaos_lake, logs), _spawn(chaos, chaos_lake, logs)
     simulation = threading.Thread(target=simulate)
     simulation.start()
     kills = 0
@@ -142,10 +149,10 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
         time.sleep(rng.uniform(1.5, 4.5))
         _kill(victim)
         kills += 1
-        victim = _spawn(chaos, chaos_lake)
+        victim = _spawn(chaos, chaos_lake, logs)
         if kills == KILLS // 2:
             _kill(other)  # the other instance restarts once too
-            other = _spawn(chaos, chaos_lake)
+            other = _spawn(chaos, chaos_lake, logs)
     simulation.join(timeout=200)
     phases = {"chaos": time.monotonic() - started}
     assert not failures, failures
@@ -155,8 +162,8 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     # Once the killed members' sessions have expired, one instance gets every partition:
     # it drains what is left and closes the last steps.
     time.sleep(SESSION_TIMEOUT_S + 1)
-    final = _spawn(chaos, chaos_lake, until_idle=4.0)
-    assert final.wait(timeout=240) == 0, final.stderr.read().decode()[-3000:]
+    final = _spawn(chaos, chaos_lake, logs, until_idle=4.0)
+    assert final.wait(timeout=240) == 0, final.log.read_text()[-3000:]
     phases["drain"] = time.monotonic() - started - sum(phases.values())
 
     reference = _kafka(broker, f"ref{uuid.uuid4().hex[:6]}.")
@@ -164,7 +171,8 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     reference_lake = str(tmp_path / "reference")
     run_processor(reference, reference_lake, idle_s=4.0, consumer_group="chaos-reference")
     phases["reference"] = time.monotonic() - started - sum(phases.values())
-    print(f"{kills} kills; seconds per phase: "
+    out_of_order = sum(log.read_text().count("came after later ones") for log in logs.iterdir())
+    print(f"{kills} kills, {out_of_order} decisions out of order; seconds per phase: "
           + ", ".join(f"{name} {s:.0f}" for name, s in phases.items()))
 
     got, ref = Lake(chaos_lake), Lake(reference_lake)
