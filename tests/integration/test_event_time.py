@@ -8,9 +8,12 @@ import sys
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 
 import orjson
+import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import write_deltalake
 
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
@@ -19,6 +22,7 @@ from ingest.processor.main import Processor
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
 from schemas.events import event_group_key
+from schemas.tables import EVENTS
 from tests.integration.pipeline import by_group, event, publish, run_processor, sample
 
 TIMEOUT_S = 15.0
@@ -138,3 +142,20 @@ def test_groups_complete_before_their_run_started_take_their_completion_order(ka
          "--out", str(tmp_path / "replayed"), "--check"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_a_lake_from_before_event_time_gets_the_column_and_keeps_its_rows(tmp_path):
+    root = tmp_path / "old-lake"
+    older = pa.schema([f for f in EVENTS.schema if f.name != "event_time"])
+    row = {"run_id": "r", "event_id": "e0", "type": "group_started", "group_index": 0,
+           "rollout_id": None, "topic": "rollout.events", "partition": 0, "offset": 0,
+           "ingested_at": datetime.now(UTC), "payload": "{}", "step": 0}
+    write_deltalake(str(root / "events"), pa.Table.from_pylist([row], schema=older),
+                    partition_by=list(EVENTS.partition_by) or None)
+    lake = Lake(str(root))
+    lake.append("events", pa.Table.from_pylist(
+        [{**row, "event_id": "e1", "offset": 1, "event_time": datetime.now(UTC)}],
+        schema=EVENTS.schema))
+    archived = sorted(lake.read("events").to_pylist(), key=lambda r: r["offset"])
+    assert [(r["event_id"], r["event_time"] is None) for r in archived] == [
+        ("e0", True), ("e1", False)]
