@@ -28,6 +28,7 @@ from deltalake import (
     WriterProperties,
     write_deltalake,
 )
+from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
@@ -156,6 +157,8 @@ class Lake:
                 dt = DeltaTable(self.uri(table), storage_options=self.storage_options or None)
             except TableNotFoundError:
                 dt = None
+            else:
+                _add_extension_columns(dt, spec)
         if dt is None:
             if self.is_local:
                 Path(self.uri(table)).mkdir(parents=True, exist_ok=True)
@@ -270,6 +273,20 @@ class Lake:
         dataset: ds.Dataset = dt.to_pyarrow_dataset(file_pruning_predicate=prune,
                                                     filesystem=local)
         return dataset.to_table(filter=filter, columns=columns)
+
+
+def _add_extension_columns(dt: DeltaTable, spec: TableSpec) -> None:
+    """Add the contract's newer (nullable) columns to a table created before them; its
+    older rows read them as null."""
+    present = {f.name for f in dt.schema().fields}
+    missing = [f for f in spec.schema if f.name not in present]
+    if not missing:
+        return
+    try:
+        dt.alter.add_columns([DeltaField.from_arrow(f) for f in missing])
+    except CommitFailedError:  # another writer added them first
+        dt.update_incremental()
+    log.info("%s: added columns %s", spec.name, ", ".join(f.name for f in missing))
 
 
 @functools.cache

@@ -5,9 +5,10 @@ batching, metrics) runs over it again, optionally under another filter, reward k
 batch size, and writes the derived tables into another lake. Same settings, same archive:
 the same batches, which `--check` verifies against the original `steps` hashes.
 
-Order: decisions are re-made in archive order (ingestion time, then partition and
-offset), which is the processor's order for a single events partition; with several
-partitions the interleaving of groups can differ, and with it which groups are surplus.
+Order: each events partition is re-read in offset order with the event times the
+processor archived, so groups complete and time out exactly where they did live; the
+batcher then applies opened groups and decisions in `OrderKey` order, the order the batch
+stage applies them in (`ingest.core.ordering`), with any number of partitions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from ingest.core.assembly import GroupBuilder
 from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
 from ingest.core.decided import DecidedGroup, fragments_table, header_for
 from ingest.core.model import FilterVerdict
+from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey, TimeoutQueue, micros
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.lake import Lake
 from schemas.errors import ConfigError, RolloutlakeError
@@ -46,47 +48,94 @@ def archived_config(lake: Lake, run_id: str) -> RunConfig:
     return RunConfig.model_validate(orjson.loads(payload)["config"])
 
 
-def archived_groups(lake: Lake, run_id: str) -> Iterator[tuple[GroupBuilder, bool]]:
-    """Groups of the run rebuilt from the archive, in completion order; (builder, complete)."""
+@dataclass
+class ArchivedGroup:
+    """A group re-assembled from the archive, with the event time it is ordered by."""
+
+    builder: GroupBuilder
+    at_us: int  # completing event; for a timeout, first event + group_timeout_s
+    partition: int
+    offset: int  # of the completing event; -1 for a timeout
+    complete: bool = False
+    started: tuple[int, int] | None = None  # event time and offset of its group_started
+
+
+def archived_groups(lake: Lake, run_id: str, timeout_s: float) -> list[ArchivedGroup]:
+    """Groups of the run rebuilt from the archive as the group stage built them: per
+    events partition in offset order, timed out once the partition's event time passed
+    first event + `timeout_s`. Groups still open at the end of the archive are timed out
+    at their deadline; groups never started are left out (the processor dead-letters them)."""
     archive = lake.read("events",
                         filter=(pc.field("run_id") == run_id) & (pc.field("type") != "run_started"),
-                        columns=["group_index", "partition", "offset", "ingested_at", "payload"])
+                        columns=["group_index", "topic", "partition", "offset", "ingested_at",
+                                 "event_time", "payload"])
     if archive.num_rows == 0:
         raise RolloutlakeError(f"run {run_id} has no events in {lake.root}/events")
-    archive = archive.sort_by([("ingested_at", "ascending"), ("partition", "ascending"),
+    archive = archive.sort_by([("topic", "ascending"), ("partition", "ascending"),
                                ("offset", "ascending")])
-    builders: dict[int, GroupBuilder] = {}
-    for group_index, _p, _o, ingested_at, payload in zip(
+    timeout_us = micros(timeout_s)
+    out: list[ArchivedGroup] = []
+    open_groups: dict[int, ArchivedGroup] = {}
+    decided: set[int] = set()
+    queues: dict[tuple[str, int], TimeoutQueue] = {}
+
+    def expire(queue: TimeoutQueue, watermark_us: int) -> None:
+        for deadline_us, _run, group_index in queue.due(watermark_us, lambda _r: timeout_us):
+            found = open_groups.get(group_index)
+            if found is not None and not found.complete:
+                found.at_us, found.offset = deadline_us, -1
+                out.append(open_groups.pop(group_index))
+                decided.add(group_index)
+
+    for group_index, topic, partition, offset, ingested_at, event_time, payload in zip(
         *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
     ):
-        builder = builders.get(group_index)
-        if builder is None:
-            builder = builders[group_index] = GroupBuilder(run_id, group_index,
-                                                           ingested_at.timestamp())
-        if builder.group.complete:
-            continue
-        builder.apply(parse_event(orjson.loads(payload)))
-        if builder.group.complete:
-            yield builder, True
-    for builder in builders.values():
-        if not builder.group.complete:
-            yield builder, False
+        at_us = micros((event_time or ingested_at).timestamp())
+        queue = queues.setdefault((topic, partition), TimeoutQueue())
+        found = open_groups.get(group_index)
+        if found is None:
+            if group_index in decided:
+                continue  # the processor refused events of a decided group
+            found = open_groups[group_index] = ArchivedGroup(
+                GroupBuilder(run_id, group_index, at_us / 1e6), at_us, partition, -1)
+            queue.add(run_id, group_index, at_us)
+        event = parse_event(orjson.loads(payload))
+        found.builder.apply(event)
+        if event.type == "group_started":
+            found.started = (at_us, offset)
+        if found.builder.group.complete:
+            found.at_us, found.offset, found.complete = at_us, offset, True
+            out.append(open_groups.pop(group_index))
+            decided.add(group_index)
+        expire(queue, at_us)
+    for found in open_groups.values():
+        found.at_us = micros(found.builder.group.first_event_at) + timeout_us
+        found.offset = -1
+        out.append(found)
+    return [g for g in out if g.builder.group.started]
 
 
 def replay_run(lake: Lake, run_id: str, config: RunConfig) -> list[Effects]:
-    """Decide and batch every archived group of the run under `config`."""
+    """Decide and batch every archived group of the run under `config`, in the order the
+    batch stage applies them."""
     batcher = RunBatcher(run_id, config)
     args = FilterArgs.from_config(config)
     user_filter = load_filter(config.resolved_filter_path)
+    merge = DecisionMerge(partitions=0)
+    for found in archived_groups(lake, run_id, config.group_timeout_s):
+        gi = found.builder.group.group_index
+        if found.started is not None:
+            at_us, offset = found.started
+            merge.add(OrderKey(at_us, found.partition, offset, OPENED, run_id, gi), found)
+        merge.add(OrderKey(found.at_us, found.partition, found.offset, DECIDED, run_id, gi),
+                  found)
     effects: list[Effects] = []
-    groups = list(archived_groups(lake, run_id))
-    for builder, complete in track(groups, description=f"replaying {run_id}", transient=True):
-        group = builder.group
-        if group.started:
-            batcher.open(group.group_index, group.step, group.first_event_at)
-        if not complete:
-            if not group.started:
-                continue  # the processor dead-letters such groups
+    for key, found in track(merge.drain(), description=f"replaying {run_id}", transient=True):
+        group = found.builder.group
+        if key.kind == OPENED:
+            batcher.open(group.group_index, group.step, key.at_us / 1e6)
+            continue
+        if not found.complete:
             verdict, offered = FilterVerdict(False, "group_timeout"), False
         else:
             try:
@@ -94,10 +143,10 @@ def replay_run(lake: Lake, run_id: str, config: RunConfig) -> list[Effects]:
             except Exception:  # noqa: BLE001 - the processor records these as filter_error
                 verdict = FilterVerdict(False, "filter_error")
             offered = True
-        header = header_for(group, verdict, decided_at=group.first_event_at, source={},
-                            offered=offered)
+        header = header_for(group, verdict, decided_at=key.at_us / 1e6, source={},
+                            at_us=key.at_us, offered=offered)
         fragments = fragments_table(group, config.reward_key, with_tokens=verdict.keep)
-        effects.append(batcher.offer(DecidedGroup(header, fragments), now=header.decided_at))
+        effects.append(batcher.offer(DecidedGroup(header, fragments), now=key.at_us / 1e6))
     effects.append(batcher.flush())
     return effects
 

@@ -57,6 +57,10 @@ EVENTS = TableSpec(
             _f("payload", pa.string(), False),
             # Extension: the step of a `group_started` (prompts issued per step).
             _f("step", pa.int64()),
+            # Extension: the event time the processor judged the event by (its `ts`, else
+            # the Kafka record timestamp, never before its partition's watermark); null
+            # for `run_started`. Timeouts and the order of decisions follow it.
+            _f("event_time", UTC_MICROS),
         ]
     ),
     key=("run_id", "event_id"),

@@ -27,6 +27,10 @@ ApplyStatus = Literal["applied", "duplicate", "rejected"]
 class ApplyResult:
     status: ApplyStatus
     reason: str | None = None
+    # (event id, reason) of earlier `compaction_fragment`s this event proved out of range
+    # (fragment_index >= the fragment_count it carries): they left the group and the
+    # caller dead-letters them.
+    evicted: tuple[tuple[str, str], ...] = ()
 
     @property
     def accepted(self) -> bool:
@@ -58,6 +62,7 @@ class GroupBuilder:
         else:
             result = self._rollout_event(event)
         if result.accepted:
+            # An evicted fragment's id stays known: a redelivery of it is a duplicate.
             self.event_ids.add(event.event_id)
         return result
 
@@ -120,6 +125,7 @@ def _fragment(event: SampleFinished | CompactionFragment, index: int) -> Fragmen
         rollout_log_probs=event.rollout_log_probs,
         metadata=event.metadata,
         response_text=event.response_text if isinstance(event, SampleFinished) else None,
+        event_id=event.event_id,
     )
 
 
@@ -139,17 +145,18 @@ def _apply_finished(rollout: Rollout, event: SampleFinished) -> ApplyResult:
     index = event.resolved_fragment_index
     if index in rollout.fragments:
         return _reject(f"rollout {event.rollout_id} already has fragment {index}")
-    beyond = [i for i in rollout.fragments if i >= event.fragment_count]
-    if beyond:
-        return _reject(
-            f"rollout {event.rollout_id} has fragment {beyond[0]} but fragment_count is "
-            f"{event.fragment_count}"
-        )
     if event.has_reward and rollout.reward_known and not _same_reward(rollout.reward, event.reward):
         return _reject(
             f"conflicting reward for rollout {event.rollout_id}: {event.reward!r} after "
             f"{rollout.reward!r} (the first value stands)"
         )
+    # Fragments accepted before the count was known and beyond it were never part of
+    # the rollout: they leave it, so the rollout can complete.
+    beyond = sorted(i for i in rollout.fragments if i >= event.fragment_count)
+    evicted = tuple(
+        (rollout.fragments.pop(i).event_id or "", _out_of_range(i, event.fragment_count))
+        for i in beyond
+    )
     rollout.fragments[index] = _fragment(event, index)
     rollout.status = event.status
     rollout.fragment_count = event.fragment_count
@@ -158,7 +165,7 @@ def _apply_finished(rollout: Rollout, event: SampleFinished) -> ApplyResult:
     rollout.metadata = dict(event.metadata)
     if event.has_reward and not rollout.reward_known:
         rollout.reward, rollout.reward_known = event.reward, True
-    return APPLIED
+    return ApplyResult("applied", evicted=evicted) if evicted else APPLIED
 
 
 def _apply_fragment(rollout: Rollout, event: CompactionFragment) -> ApplyResult:
@@ -167,12 +174,14 @@ def _apply_fragment(rollout: Rollout, event: CompactionFragment) -> ApplyResult:
     if event.fragment_index in rollout.fragments:
         return _reject(f"rollout {event.rollout_id} already has fragment {event.fragment_index}")
     if rollout.fragment_count is not None and event.fragment_index >= rollout.fragment_count:
-        return _reject(
-            f"fragment_index {event.fragment_index} is not below the rollout's fragment_count "
-            f"{rollout.fragment_count}"
-        )
+        return _reject(_out_of_range(event.fragment_index, rollout.fragment_count))
     rollout.fragments[event.fragment_index] = _fragment(event, event.fragment_index)
     return APPLIED
+
+
+def _out_of_range(fragment_index: int, fragment_count: int) -> str:
+    return (f"fragment_index {fragment_index} is not below the rollout's fragment_count "
+            f"{fragment_count}")
 
 
 def _apply_reward(rollout: Rollout, reward: object) -> ApplyResult:

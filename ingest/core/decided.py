@@ -59,6 +59,10 @@ class DecisionHeader:
     # Too large to travel inline: the batch stage re-assembles the fragments from the
     # `events` archive, which the group stage commits before it publishes the decision.
     fragments_in_archive: bool = False
+    # Event time the decision is ordered by (`ingest.core.ordering`): the completing
+    # event's, or first event + group_timeout_s for a timeout. The seal time of the step
+    # it fills, too.
+    at_us: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -140,7 +144,7 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
 
 
 def header_for(group: Group, verdict: FilterVerdict, *, decided_at: float,
-               source: dict[str, int], offered: bool = True) -> DecisionHeader:
+               source: dict[str, int], at_us: int, offered: bool = True) -> DecisionHeader:
     aborts = [r for r in group.rollouts.values() if r.aborted]
     cancel_min_ts = None
     if aborts and all(r.abort_reason == "cancelled" for r in aborts):
@@ -160,4 +164,5 @@ def header_for(group: Group, verdict: FilterVerdict, *, decided_at: float,
         cancel_min_ts=cancel_min_ts,
         offered=offered,
         source=source,
+        at_us=at_us,
     )

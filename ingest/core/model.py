@@ -25,6 +25,7 @@ class Fragment:
     rollout_log_probs: list[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str | None = None  # from sample_finished; Miles `Sample.response`
+    event_id: str | None = None  # the event that carried it
 
     @property
     def response_length(self) -> int:
@@ -85,7 +86,7 @@ class Group:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     rollouts: dict[int, Rollout] = field(default_factory=dict)
-    first_event_at: float = 0.0  # ingestion time of the first event, seconds since the epoch
+    first_event_at: float = 0.0  # event time of the first event, seconds since the epoch
 
     @property
     def complete(self) -> bool:

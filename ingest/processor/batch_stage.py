@@ -1,12 +1,16 @@
 """Batch stage: `rollout.decisions` -> groups, samples, training_batches, steps, step_metrics.
 
 The stage is a deterministic state machine per run (`RunBatcher`) fed by the run's
-decisions in partition order. On every (re)assignment it replays its partitions from the
-beginning, and each table keeps only rows whose source offset is newer than the app
-transaction that table recorded for the partition. So after a crash at any moment the
-tables end up exactly as after an uninterrupted run; nothing is written twice. Seal times
-come from the decisions themselves (`decided_at`), not the clock, so a replay reproduces
-them too.
+decisions in event-time order: a `DecisionMerge` per decisions partition holds each
+decision until every events partition's watermark has passed it, then applies it in
+`OrderKey` order, so which group fills which step does not depend on how the group
+stages' output interleaved. On every (re)assignment the stage replays its partitions from
+the beginning, and each table keeps only rows whose source offset is newer than the app
+transaction that table recorded for the partition; a row's source is the record whose
+arrival released it (decisions, notices and watermarks alike), so sources grow with
+offsets. After a crash at any moment the tables end up exactly as after an uninterrupted
+run; nothing is written twice. Seal times are event times from the decisions themselves,
+not the clock, so a replay reproduces them too.
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ import pyarrow as pa
 from kafka import TopicPartition
 
 from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
-from ingest.core.decided import DecidedGroup, fragments_table
+from ingest.core.decided import DecidedGroup, DecisionHeader, fragments_table
+from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey
 from ingest.lake import Lake, TxnMark
 from ingest.processor.archive import archived_group
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.decisions import decision_header, decode_fragments, opened_notice
+from ingest.processor.decisions import (
+    decision_header,
+    decode_fragments,
+    opened_notice,
+    watermark_notice,
+)
 from ingest.processor.io import app_id
 from ingest.processor.stage import Stage
 from schemas.control import StepSealed
@@ -65,6 +75,8 @@ class BatchStage(Stage):
         self.recorded: dict[tuple[str, int], int | None] = {}
         self.closed_steps: set[tuple[str, int]] = set()
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
+        self.merges: dict[int, DecisionMerge] = {}  # decisions partition -> held items
+        self._applied = False  # this poll took over or applied something, not only watermarks
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -72,6 +84,8 @@ class BatchStage(Stage):
         for run_id in [r for r, p in self.run_partition.items() if p in partitions]:
             self.batchers.pop(run_id, None)
             self.run_partition.pop(run_id, None)
+        for partition in partitions:
+            self.merges.pop(partition, None)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -80,7 +94,11 @@ class BatchStage(Stage):
             zip(metrics.column("run_id").to_pylist(), metrics.column("step").to_pylist(), strict=True)
         )
         end = self.consumer.end_offsets(list(assigned)) if assigned else {}
+        self._applied = True  # a take-over is activity: idle counts from here
+        events = self.consumer.partitions_for_topic(self.topics.events)
+        event_partitions = len(events) if events else self.config.kafka.event_partitions
         for tp in assigned:
+            self.merges[tp.partition] = DecisionMerge(event_partitions)
             for table in TABLE_ORDER:
                 self.recorded[(table, tp.partition)] = self.lake.txn_version(
                     table, app_id(table, tp.topic, tp.partition)
@@ -110,23 +128,65 @@ class BatchStage(Stage):
         batcher.config = config  # a later run_started applies from here on
         return batcher
 
+    def poll_once(self) -> int:
+        """As `Stage.poll_once`; a poll that only moved watermarks is no activity, so
+        `--until-idle` still ends once every decision is applied."""
+        before, self._applied = self.last_activity, False
+        count = super().poll_once()
+        if not self._applied:
+            self.last_activity = before
+        return count
+
     def _handle(self, record: Any, pending: _Pending) -> None:
-        notice = opened_notice(record)
-        if notice is not None:
-            batcher = self._batcher(notice["run_id"], record.partition)
-            if batcher is not None:
-                batcher.open(notice["group_index"], notice["step"], notice["at"])
-            return
-        header = decision_header(record)
-        if header is None:
-            self.dead_letters.add(record.topic, record.partition, record.offset,
-                                  "not a rolloutlake decision (no 'decision' header)", record.value)
-            return
-        batcher = self._batcher(header.run_id, record.partition)
+        merge = self.merges[record.partition]
+        late = merge.late
+        mark = watermark_notice(record)
+        if mark is not None:
+            merge.watermark(mark["partition"], mark["at_us"])
+        else:
+            self._applied = True
+            notice = opened_notice(record)
+            header = None if notice is not None else decision_header(record)
+            if notice is None and header is None:
+                self.dead_letters.add(record.topic, record.partition, record.offset,
+                                      "not a rolloutlake decision (no 'decision' header)",
+                                      record.value)
+                return
+            if notice is not None:
+                key = OrderKey(notice.get("at_us", -1), notice.get("partition", -1),
+                               notice.get("offset", -1), OPENED, notice["run_id"],
+                               notice["group_index"])
+            else:
+                key = OrderKey(-1 if header.at_us is None else header.at_us,
+                               header.source.get("partition", -1), header.source.get("offset", -1),
+                               DECIDED, header.run_id, header.group_index)
+            applied = self.batchers.get(key.run_id)
+            if applied is not None and key.group_index in (
+                    applied.opened if key.kind == OPENED else applied.decided):
+                return  # sent again after a group-stage restart; the first one stands
+            merge.add(key, (record.offset, notice, header, record.value))
+        for _key, (offset, notice, header, value) in merge.ready():
+            self._applied = True
+            if notice is not None:
+                batcher = self._batcher(notice["run_id"], record.partition)
+                if batcher is not None:
+                    batcher.open(notice["group_index"], notice["step"], notice["at"])
+            else:
+                self._decide(header, value, offset, record, pending)
+        if merge.late > late:
+            log.warning("decisions partition %d: a decision came after later ones were "
+                        "applied (an event later than watermark_lag_s on an idle events "
+                        "partition that changed owner); applied now", record.partition)
+
+    def _decide(self, header: DecisionHeader, value: bytes, offset: int, release: Any,
+                pending: _Pending) -> None:
+        """Apply one decision (from `offset`), released by the record `release`: its
+        output rows carry the releasing record's offset."""
+        batcher = self._batcher(header.run_id, release.partition)
         if batcher is None:
-            self.dead_letters.add(record.topic, record.partition, record.offset,
+            self.dead_letters.add(release.topic, release.partition, offset,
                                   f"decision for run {header.run_id} without run_started",
-                                  record.value, run_id=header.run_id,
+                                  value, run_id=header.run_id,
                                   group_index=header.group_index)
             return
         if header.fragments_in_archive:
@@ -135,10 +195,11 @@ class BatchStage(Stage):
                 batcher.config.reward_key, with_tokens=header.decision == "kept",
             )
         else:
-            fragments = decode_fragments(record.value)
+            fragments = decode_fragments(value)
         group = DecidedGroup(header, fragments)
-        effects = batcher.offer(group, now=header.decided_at)
-        self._collect(header.run_id, record.partition, record.offset, effects, pending)
+        sealed_at = header.decided_at if header.at_us is None else header.at_us / 1e6
+        effects = batcher.offer(group, now=sealed_at)
+        self._collect(header.run_id, release.partition, release.offset, effects, pending)
 
     def _collect(self, run_id: str, partition: int, offset: int, effects: Effects,
                  pending: _Pending) -> None:
@@ -256,4 +317,5 @@ class BatchStage(Stage):
 
     @property
     def idle(self) -> bool:
-        return super().idle and not self.replaying
+        held = any(len(merge) for merge in self.merges.values())
+        return super().idle and not self.replaying and not held

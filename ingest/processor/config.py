@@ -30,6 +30,10 @@ class ProcessorConfig(BaseModel):
     """Consumer-group session timeout; joining takes about half of it on Tansu."""
     default_group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of groups whose run has no `run_started` yet."""
+    watermark_lag_s: Annotated[float, Field(ge=0)] = 1.0
+    """How far behind the wall clock an idle events partition's event time follows. An
+    event that arrives later than this behind its own time is ordered as if it came at
+    the idle partition's time; a larger lag delays seals while a partition is idle."""
     wandb: bool = False
     """Also log every run's step metrics to Weights & Biases (offline unless WANDB_MODE)."""
     wandb_dir: str | None = None

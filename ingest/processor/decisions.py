@@ -1,7 +1,9 @@
 """Wire form of `rollout.decisions`: a JSON header plus the group's fragments as Arrow IPC.
 
 Besides decisions the topic carries `opened` notices (header only, empty value): one per
-archived `group_started`, so the batch stage counts prompts issued per step in order.
+archived `group_started`, so the batch stage counts prompts issued per step in order; and
+`watermark` notices (header only, sent to every partition): how far an events partition's
+event time has come, so the batch stage knows which decisions are safe to apply in order.
 
 The header (Kafka header `decision`) is all a controller needs — run, group, step,
 decision, reason — so controllers never decode the token payload.
@@ -21,7 +23,9 @@ HEADER = "decision"
 # Decisions larger than this carry no fragments (see DecisionHeader.fragments_in_archive):
 # a group of several 8 MiB samples would not fit in one Kafka message.
 INLINE_LIMIT_BYTES = 4 * 1024 * 1024
-OPENED = "opened"  # a group_started was archived: {run_id, group_index, step, at}
+# a group_started was archived: {run_id, group_index, step, at, at_us, partition, offset}
+OPENED = "opened"
+WATERMARK = "watermark"  # {partition, at_us}: events partition `partition` reached `at_us`
 
 
 def encode_decision(decided: DecidedGroup) -> tuple[list[tuple[str, bytes]], bytes]:
@@ -48,15 +52,30 @@ def decision_header(record: Any) -> DecisionHeader | None:
     return None
 
 
-def encode_opened(run_id: str, group_index: int, step: int, at: float) -> list[tuple[str, bytes]]:
-    body = {"run_id": run_id, "group_index": group_index, "step": step, "at": at}
+def encode_opened(run_id: str, group_index: int, step: int, at_us: int, partition: int,
+                  offset: int) -> list[tuple[str, bytes]]:
+    body = {"run_id": run_id, "group_index": group_index, "step": step, "at": at_us / 1e6,
+            "at_us": at_us, "partition": partition, "offset": offset}
     return [(OPENED, orjson.dumps(body))]
 
 
 def opened_notice(record: Any) -> dict[str, Any] | None:
     """The body of an `opened` notice, or None for any other record."""
-    for name, value in record.headers or ():
-        if name == OPENED:
+    return _header_body(record, OPENED)
+
+
+def encode_watermark(partition: int, at_us: int) -> list[tuple[str, bytes]]:
+    return [(WATERMARK, orjson.dumps({"partition": partition, "at_us": at_us}))]
+
+
+def watermark_notice(record: Any) -> dict[str, Any] | None:
+    """The body of a `watermark` notice, or None for any other record."""
+    return _header_body(record, WATERMARK)
+
+
+def _header_body(record: Any, name: str) -> dict[str, Any] | None:
+    for key, value in record.headers or ():
+        if key == name:
             return orjson.loads(value)
     return None
 

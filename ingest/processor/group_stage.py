@@ -5,6 +5,12 @@ Delta with the consumed offsets as app transactions, then publish the decisions 
 groups that completed. Publishing after the commit means every decision's events are
 durable; a crash between the two is healed on start by rebuilding undecided groups from
 the archive and deciding them again (the batch stage ignores a repeated decision).
+
+Time is event time (`ingest.core.ordering`): each partition's clock is the largest event
+time archived on it, groups time out against it, and after every commit the stage
+publishes each partition's watermark so the batch stage can apply decisions in order.
+A partition with nothing left to read advances its clock to the wall clock minus
+`watermark_lag_s`, so an idle partition never holds the others back.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from kafka import TopicPartition
 from ingest.core.assembly import GroupBuilder
 from ingest.core.decided import FRAGMENTS, DecidedGroup, fragments_table, header_for
 from ingest.core.model import FilterVerdict
+from ingest.core.ordering import PartitionClock, TimeoutQueue, micros
 from ingest.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.kafka_io import key_partition
 from ingest.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.decisions import encode_decision, encode_opened
+from ingest.processor.decisions import encode_decision, encode_opened, encode_watermark
 from ingest.processor.io import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError, RolloutlakeError
@@ -47,11 +54,16 @@ NO_GROUP_STARTED = "no group_started"
 UNSTORABLE = "unstorable"  # decision reason of a group whose decision could not be built
 
 
+# An idle partition's clock is advanced at most this often (each advance is a notice).
+IDLE_ADVANCE_INTERVAL_S = 0.25
+
+
 @dataclass
 class _Pending:
     builder: GroupBuilder
     partition: int
     completed_at: tuple[int, int] | None = None  # (partition, offset) of the completing event
+    completed_us: int | None = None  # event time of the completing event
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,9 @@ class _Opened:
     run_id: str
     group_index: int
     step: int
-    at: float
+    at_us: int  # event time of the group_started
+    partition: int
+    offset: int
 
 
 def _check_cell(name: str, value: Any, type_: pa.DataType) -> None:
@@ -82,7 +96,7 @@ class ArchiveRows:
         self.columns: dict[str, list[Any]] = {name: [] for name in EVENTS.schema.names}
 
     @staticmethod
-    def row(record: Any, event: AnyEvent) -> dict[str, Any]:
+    def row(record: Any, event: AnyEvent, event_time_us: int | None = None) -> dict[str, Any]:
         """One row, checked against the column types; raises ValueError when it cannot be stored."""
         row = {
             "run_id": event.run_id, "event_id": event.event_id, "type": event.type,
@@ -91,6 +105,7 @@ class ArchiveRows:
             "topic": record.topic, "partition": record.partition, "offset": record.offset,
             "ingested_at": utc_micros(time.time()), "payload": record.value,
             "step": event.step if isinstance(event, GroupStarted) else None,
+            "event_time": event_time_us,
         }
         for name, value in row.items():
             _check_cell(name, value, EVENTS.schema.field(name).type)
@@ -100,8 +115,8 @@ class ArchiveRows:
         for name, column in self.columns.items():
             column.append(row[name])
 
-    def add(self, record: Any, event: AnyEvent) -> None:
-        self.append(self.row(record, event))
+    def add(self, record: Any, event: AnyEvent, event_time_us: int | None = None) -> None:
+        self.append(self.row(record, event, event_time_us))
 
     def __len__(self) -> int:
         return len(self.columns["run_id"])
@@ -135,6 +150,11 @@ class GroupStage(Stage):
         # (run_id, event_id) -> group_index of every archived event of the partitions taken
         # over: an id is unique within its run (CONTRACT section 2), across its groups.
         self.event_groups: dict[tuple[str, str], int] = {}
+        self.clocks: dict[int, PartitionClock] = {}
+        self.timeouts: dict[int, TimeoutQueue] = {}
+        self._published_us: dict[int, int] = {}  # partition -> last watermark published
+        self._idle_advanced_at: dict[int, float] = {}
+        self._decisions_partitions: list[int] | None = None
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -143,6 +163,9 @@ class GroupStage(Stage):
             del self.pending[key]
         for partition in partitions:
             self.recorded.pop(partition, None)
+            self.clocks.pop(partition, None)
+            self.timeouts.pop(partition, None)
+            self._published_us.pop(partition, None)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -160,6 +183,8 @@ class GroupStage(Stage):
             self.recorded[tp.partition] = recorded
             self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
             self._load_event_ids(tp.partition)
+            self.clocks[tp.partition] = PartitionClock()
+            self.timeouts[tp.partition] = TimeoutQueue()
             self._rebuild(tp.partition)
 
     def _load_event_ids(self, partition: int) -> None:
@@ -179,33 +204,50 @@ class GroupStage(Stage):
         archive = self.lake.read(
             "events",
             filter=(pc.field("topic") == self.topics.events) & (pc.field("partition") == partition),
-            columns=["run_id", "group_index", "offset", "ingested_at", "payload"],
+            columns=["run_id", "group_index", "event_id", "offset", "ingested_at", "event_time",
+                     "payload"],
         )
         if archive.num_rows == 0:
             return
         archive = archive.sort_by("offset")
+        clock = self.clocks[partition]
         rebuilt = []
-        for run_id, group_index, offset, ingested_at, payload in zip(
+        started: dict[GroupKey, tuple[int, int]] = {}  # group -> (event time, offset)
+        for run_id, group_index, event_id, offset, ingested_at, event_time, payload in zip(
             *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
         ):
+            at_us = micros((event_time or ingested_at).timestamp())
+            clock.advance(at_us)
             key = (run_id, group_index)
-            if key in self.decided or key in self.dead:
+            if key in self.decided:
+                # A late redelivery of this event is a duplicate, not an event for a
+                # decided group.
+                self.decided[key].add(event_id)
+                continue
+            if key in self.dead:
                 continue
             pending = self.pending.get(key)
             if pending is None:
-                builder = GroupBuilder(run_id, group_index, ingested_at.timestamp())
-                pending = self.pending[key] = _Pending(builder, partition)
+                pending = self._open(key, partition, at_us)
                 rebuilt.append(key)
-            pending.builder.apply(parse_event(orjson.loads(payload)))
+            event = parse_event(orjson.loads(payload))
+            pending.builder.apply(event)
+            if isinstance(event, GroupStarted):
+                started[key] = (at_us, offset)
             if pending.completed_at is None and pending.builder.group.complete:
-                pending.completed_at = (partition, offset)
+                pending.completed_at, pending.completed_us = (partition, offset), at_us
         batch = _Batch()
         for key in rebuilt:
             group = self.pending[key].builder.group
             if group.started:  # the notice may not have gone out before the restart
-                batch.decisions.append(_Opened(key[0], key[1], group.step, group.first_event_at))
-        for key in sorted(rebuilt, key=lambda k: self.pending[k].completed_at or (partition, 1 << 62)):
+                at_us, offset = started[key]
+                batch.decisions.append(_Opened(key[0], key[1], group.step, at_us, partition,
+                                               offset))
+        # Only complete groups are decided; the others wait for their remaining events.
+        complete = [k for k in rebuilt if self.pending[k].completed_at is not None]
+        for key in sorted(complete, key=lambda k: self.pending[k].completed_at):
             self._try_decide(key, batch)
+        self._expire(partition, batch)  # timed out before the restart, not yet published
         log.info("partition %d: rebuilt %d undecided groups", partition, len(rebuilt))
         self._publish(batch.decisions)
         self.dead_letters.commit([])
@@ -269,17 +311,18 @@ class GroupStage(Stage):
             reject = f"group {event.group_index} of run {event.run_id} is already decided"
         elif key in self.dead:
             reject = f"{NO_GROUP_STARTED} for group {event.group_index}: the group was dead-lettered"
+        at_us = self.clocks[partition].event_time(event.ts, record.timestamp, time.time())
         if reject is None:
-            row = ArchiveRows.row(record, event)  # raises before the group changes
-            pending = self.pending.get(key)
-            if pending is None:
-                pending = self.pending[key] = _Pending(
-                    GroupBuilder(event.run_id, event.group_index, time.time()), partition
-                )
+            row = ArchiveRows.row(record, event, at_us)  # raises before the group changes
+            pending = self.pending.get(key) or self._open(key, partition, at_us)
             result = pending.builder.apply(event)
+            if not pending.builder.event_ids:
+                del self.pending[key]  # its first event was refused: no group yet
             if result.status == "duplicate":
                 return
             reject = result.reason
+            if result.evicted:
+                self._dead_letter_evicted(key, result.evicted, batch)
         if reject is not None:
             self.dead_letters.add(record.topic, partition, offset, reject, record.value,
                                   run_id=event.run_id, group_index=event.group_index)
@@ -287,10 +330,52 @@ class GroupStage(Stage):
         batch.archive.append(row)
         self.event_groups[(event.run_id, event.event_id)] = event.group_index
         if isinstance(event, GroupStarted):
-            batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, time.time()))
+            batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, at_us,
+                                           partition, offset))
         if pending.builder.group.complete and pending.completed_at is None:
-            pending.completed_at = (partition, offset)
+            pending.completed_at, pending.completed_us = (partition, offset), at_us
             self._try_decide(key, batch)
+        if self.clocks[partition].advance(at_us):
+            self._expire(partition, batch)
+
+    def _open(self, key: GroupKey, partition: int, first_us: int) -> _Pending:
+        """A new undecided group whose first archived event has event time `first_us`."""
+        pending = self.pending[key] = _Pending(GroupBuilder(key[0], key[1], first_us / 1e6),
+                                               partition)
+        self.timeouts[partition].add(key[0], key[1], first_us)
+        return pending
+
+    def _dead_letter_evicted(self, key: GroupKey, evicted: tuple[tuple[str, str], ...],
+                             batch: _Batch) -> None:
+        """Dead-letter archived fragments that turned out to lie beyond their rollout's
+        fragment_count (their archive rows stay: replay evicts them the same way)."""
+        reasons = dict(evicted)
+        for event_id, topic, partition, offset, raw in self._archived(key, batch, list(reasons)):
+            self.dead_letters.add(topic, partition, offset, reasons[event_id], raw,
+                                  run_id=key[0], group_index=key[1])
+
+    def _archived(self, key: GroupKey, batch: _Batch, event_ids: list[str] | None = None
+                  ) -> list[tuple[str, str, int, int, bytes]]:
+        """(event_id, topic, partition, offset, raw) of the group's archived events, those
+        of this poll (not committed yet) included; only `event_ids` when given."""
+        wanted = None if event_ids is None else set(event_ids)
+        found: dict[str, tuple[str, str, int, int, bytes]] = {}
+        c = batch.archive.columns
+        for i, event_id in enumerate(c["event_id"]):
+            if ((c["run_id"][i], c["group_index"][i]) == key
+                    and (wanted is None or event_id in wanted)):
+                found[event_id] = (event_id, c["topic"][i], c["partition"][i], c["offset"][i],
+                                   c["payload"][i])
+        where = (pc.field("run_id") == key[0]) & (pc.field("group_index") == key[1])
+        if wanted is not None:
+            where &= pc.field("event_id").isin(sorted(wanted))
+        archived = self.lake.read("events", filter=where,
+                                  columns=["event_id", "topic", "partition", "offset", "payload"])
+        for event_id, topic, partition, offset, payload in zip(
+            *(archived.column(n).to_pylist() for n in archived.column_names), strict=True
+        ):
+            found.setdefault(event_id, (event_id, topic, partition, offset, payload.encode()))
+        return sorted(found.values(), key=lambda row: (row[2], row[3]))
 
     def _try_decide(self, key: GroupKey, batch: _Batch) -> None:
         pending = self.pending[key]
@@ -300,6 +385,7 @@ class GroupStage(Stage):
         group = pending.builder.group
         partition, offset = pending.completed_at
         source = {"partition": partition, "offset": offset}
+        at_us = pending.completed_us
         try:
             user_filter = load_filter(config.resolved_filter_path)
             verdict = apply_filter_chain(FilterArgs.from_config(config), group, user_filter)
@@ -310,17 +396,17 @@ class GroupStage(Stage):
             self.dead_letters.add(self.topics.events, partition, offset, error, None,
                                   run_id=group.run_id, group_index=group.group_index)
             verdict = FilterVerdict(False, "filter_error")
-        self._finish(key, verdict, source, batch)
+        self._finish(key, verdict, source, at_us, batch)
 
     def _finish(self, key: GroupKey, verdict: FilterVerdict, source: dict[str, int],
-                batch: _Batch, offered: bool = True) -> None:
+                at_us: int, batch: _Batch, offered: bool = True) -> None:
         pending = self.pending.pop(key)
         config = self.runs.get(key[0])
         group = pending.builder.group
         decided_at = time.time()
         try:
             header = header_for(group, verdict, decided_at=decided_at, source=source,
-                                offered=offered)
+                                at_us=at_us, offered=offered)
             fragments = fragments_table(group, config.reward_key if config else None,
                                         with_tokens=verdict.keep)
             header.to_json()  # fails here, not after the archive commit, if it cannot encode
@@ -333,7 +419,7 @@ class GroupStage(Stage):
                                       error, None, run_id=group.run_id,
                                       group_index=group.group_index)
             header = header_for(group, FilterVerdict(False, UNSTORABLE), decided_at=decided_at,
-                                source=source, offered=offered)
+                                source=source, at_us=at_us, offered=offered)
             fragments = FRAGMENTS.empty_table()
         batch.decisions.append(DecidedGroup(header, fragments))
         self.decided[key] = pending.builder.event_ids
@@ -344,36 +430,57 @@ class GroupStage(Stage):
             if key in self.pending and self.runs.get(key[0]) is not None:
                 self._try_decide(key, batch)
 
-    def _expire(self, now: float, batch: _Batch) -> None:
-        for key, pending in list(self.pending.items()):
-            config = self.runs.get(key[0])
-            timeout = config.group_timeout_s if config else self.config.default_group_timeout_s
-            group = pending.builder.group
-            if now - group.first_event_at < timeout:
-                continue
-            if group.started and config is not None:
-                source = {"partition": pending.partition, "offset": -1}
-                self._finish(key, FilterVerdict(False, "group_timeout"), source, batch,
-                             offered=False)
-            else:
-                self._dead_letter_group(key, pending, timeout)
+    def _timeout_s(self, run_id: str) -> float:
+        config = self.runs.get(run_id)
+        return config.group_timeout_s if config else self.config.default_group_timeout_s
 
-    def _dead_letter_group(self, key: GroupKey, pending: _Pending, timeout: float) -> None:
+    def _expire(self, partition: int, batch: _Batch) -> None:
+        """Time out the partition's groups still undecided when its clock reached
+        first event + group_timeout_s; ordered at that deadline."""
+        watermark = self.clocks[partition].watermark_us
+        if watermark is None:
+            return
+        due = self.timeouts[partition].due(watermark, lambda run: micros(self._timeout_s(run)))
+        for deadline_us, run_id, group_index in due:
+            key = (run_id, group_index)
+            pending = self.pending.get(key)
+            if pending is None or pending.partition != partition:
+                continue  # decided meanwhile
+            group = pending.builder.group
+            if group.started and self.runs.get(run_id) is not None:
+                source = {"partition": partition, "offset": -1}
+                self._finish(key, FilterVerdict(False, "group_timeout"), source, deadline_us,
+                             batch, offered=False)
+            else:
+                self._dead_letter_group(key, pending, self._timeout_s(run_id), batch)
+
+    def _dead_letter_group(self, key: GroupKey, pending: _Pending, timeout: float,
+                           batch: _Batch) -> None:
         """A group without group_started (or run) after its timeout: its events are rejected."""
         del self.pending[key]
         self.dead.add(key)
         what = "group_started" if not pending.builder.group.started else "run_started for its run"
         error = f"{NO_GROUP_STARTED}: no {what} within {timeout:g} s of the group's first event"
-        archived = self.lake.read(
-            "events",
-            filter=(pc.field("run_id") == key[0]) & (pc.field("group_index") == key[1]),
-            columns=["topic", "partition", "offset", "payload"],
-        )
-        for topic, partition, offset, payload in zip(
-            *(archived.column(c).to_pylist() for c in archived.column_names), strict=True
-        ):
-            self.dead_letters.add(topic, partition, offset, error, payload.encode(),
+        for _event_id, topic, partition, offset, raw in self._archived(key, batch):
+            self.dead_letters.add(topic, partition, offset, error, raw,
                                   run_id=key[0], group_index=key[1])
+
+    def _advance_idle(self, batch: _Batch) -> None:
+        """Partitions with nothing left to read: their clock follows the wall clock, less
+        `watermark_lag_s` (room for events still on their way), so they hold nothing up."""
+        now = time.time()
+        for partition, clock in self.clocks.items():
+            if partition in batch.last_offset:
+                continue
+            if now - self._idle_advanced_at.get(partition, 0.0) < IDLE_ADVANCE_INTERVAL_S:
+                continue
+            tp = TopicPartition(self.topics.events, partition)
+            highwater = self.consumer.highwater(tp)
+            if highwater is None or self.consumer.position(tp) < highwater:
+                continue  # a backlog is still to be read: its own times count
+            self._idle_advanced_at[partition] = now
+            if clock.advance(micros(now - self.config.watermark_lag_s)):
+                self._expire(partition, batch)
 
     # -- commit and publish ----------------------------------------------------------------
 
@@ -396,7 +503,7 @@ class GroupStage(Stage):
 
     def _commit(self, batch: _Batch) -> None:
         self._decide_waiting(batch)
-        self._expire(time.time(), batch)
+        self._advance_idle(batch)
         self._archive_runs()
         topic = self.topics.events
         marks = [TxnMark(app_id("dead_letters", topic, p), o) for p, o in batch.last_offset.items()]
@@ -411,14 +518,46 @@ class GroupStage(Stage):
         self._publish(batch.decisions)
 
     def _publish(self, decisions: list[DecidedGroup | _Opened]) -> None:
+        """Decisions and notices, then each partition's watermark (after them, on the same
+        partitions, so a watermark never overtakes a decision it covers)."""
         for item in decisions:
             if isinstance(item, _Opened):
-                headers = encode_opened(item.run_id, item.group_index, item.step, item.at)
+                headers = encode_opened(item.run_id, item.group_index, item.step, item.at_us,
+                                        item.partition, item.offset)
                 self.producer.send(self.topics.decisions, key=item.run_id.encode(), value=b"",
                                    headers=headers)
                 continue
             headers, value = encode_decision(item)
             self.producer.send(self.topics.decisions, key=item.header.run_id.encode(),
                                value=value, headers=headers)
-        if decisions:
+        watermarks = self._publish_watermarks()
+        if decisions or watermarks:
             self.producer.flush()
+
+    def _publish_watermarks(self) -> int:
+        """Send each owned partition's watermark to every decisions partition when it moved.
+
+        A complete group still waiting for its run's config holds its partition's
+        watermark just below its completion, so its decision can still take its place.
+        """
+        if self._decisions_partitions is None:
+            found = self.producer.partitions_for(self.topics.decisions)
+            self._decisions_partitions = sorted(found or {0})
+        held: dict[int, int] = {}
+        for pending in self.pending.values():
+            if pending.completed_us is not None:
+                held[pending.partition] = min(held.get(pending.partition, pending.completed_us),
+                                              pending.completed_us)
+        sent = 0
+        for partition, clock in self.clocks.items():
+            if clock.watermark_us is None:
+                continue
+            watermark = min(clock.watermark_us, held.get(partition, clock.watermark_us))
+            if watermark <= self._published_us.get(partition, -1):
+                continue
+            self._published_us[partition] = watermark
+            for target in self._decisions_partitions:
+                self.producer.send(self.topics.decisions, partition=target, value=b"",
+                                   headers=encode_watermark(partition, watermark))
+                sent += 1
+        return sent
