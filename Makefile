@@ -4,12 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+ENGINE_VENV ?= .venv-engine
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install engine demo test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -21,10 +22,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[trainer,test]'
 	touch $(STAMP)
 
+# The vLLM CPU engine lives in its own venv (its pins clash with the gateway's).
+engine:
+	PYTHON=$(PYTHON) sh deploy/engine/install.sh $(ENGINE_VENV)
+
 demo: install
 	$(VENV)/bin/rolloutlake demo
 
-test: install
+test: install engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m pytest -q
