@@ -29,7 +29,7 @@ GUARD = Path(__file__).with_name("engine_guard.py")
 
 
 def engine_python(venv: Path) -> Path:
-    python = venv / "bin" / "python"
+    python = venv.absolute() / "bin" / "python"  # not resolve(): the venv is the symlink
     if not python.is_file():
         raise EngineError(
             f"no inference engine venv at {venv}: install it with `make engine` "
@@ -140,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     server = EngineServer(config_from_args(EngineServerConfig, args)).start()
     print(f"engine ready at {server.url} in {server.start_seconds:.0f} s "
           f"(model {server.model_dir}; Ctrl-C stops it)", flush=True)
