@@ -236,10 +236,13 @@ def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
     run_id = "engine-dies"
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    # Enough steps that the worker is still generating when the engine dies; the
+    # requests of later steps then find no engine at all.
+    steps, groups, samples = 30, 4, 4
     worker = subprocess.Popen(
-        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "8",
-                       "--rollout-batch-size", "8", "--max-new-tokens", "480",
-                       "--temperature", "1.0"),
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", str(samples),
+                       "--rollout-batch-size", str(groups), "--num-steps", str(steps),
+                       "--max-new-tokens", "480"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not any(e.type == "group_started" for e in published(kafka, run_id, idle_s=1.0)):
@@ -256,7 +259,8 @@ def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
     events = published(kafka, run_id)
     aborted = [e for e in events if e.type == "sample_aborted"]
     assert aborted and all(e.reason == "engine_error" for e in aborted)
-    assert len(aborted) + sum(e.type == "sample_finished" for e in events) == 64
+    assert len(aborted) + sum(e.type == "sample_finished" for e in events) == (
+        steps * groups * samples)
 
     run_processor(kafka, lake_root, idle_s=3.0)
     reasons = {g["reason"] for g in by_group(lake_root, run_id).values()}
