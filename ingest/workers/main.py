@@ -16,6 +16,7 @@ from ingest.filters import load_filter
 from ingest.kafka_io import KafkaSettings
 from ingest.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig, add_config_arguments, config_from_args
+from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine
 from ingest.workers.prompts import load_prompts
 from ingest.workers.rollout import Progress, RolloutWorker
@@ -51,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     log.info("worker config %s", config.model_dump_json())
     progress = asyncio.run(_run(config, reward_fn, tokenizer, prompts))
     print(f"worker done: {progress.groups_issued} groups, {progress.samples_finished} samples "
-          f"finished, {progress.samples_aborted} aborted, {progress.response_tokens} response "
-          f"tokens at {progress.tokens_per_s:,.0f} tokens/s", flush=True)
+          f"finished, {progress.samples_aborted} aborted, {progress.samples_cancelled} "
+          f"cancelled at seal, {progress.response_tokens} response tokens at "
+          f"{progress.tokens_per_s:,.0f} tokens/s", flush=True)
     if progress.engine_errors:
         raise EngineError(f"{progress.engine_errors} samples got no answer from the engine, "
                           f"published as sample_aborted(engine_error) (last: "
@@ -65,12 +67,19 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
                for url in config.engine_urls]
     settings = KafkaSettings(bootstrap_servers=config.bootstrap_servers,
                              topic_prefix=config.topic_prefix)
+    follower: ControlFollower | None = None
     try:
         with RolloutPublisher(settings, producer_id=f"worker-{config.run}") as publisher:
             worker = RolloutWorker(config, publisher=publisher, engines=engines,
                                    tokenizer=tokenizer, reward_fn=reward_fn, prompts=prompts,
                                    terminal=sys.stderr)
+            loop = asyncio.get_running_loop()
+            follower = ControlFollower(
+                settings, config.run,
+                lambda step: loop.call_soon_threadsafe(worker.step_sealed, step)).start()
             return await worker.run()
     finally:
+        if follower is not None:
+            follower.stop()
         for engine in engines:
             await engine.aclose()

@@ -5,6 +5,11 @@ Per step the worker issues `groups_per_step` groups; each group is a `group_star
 is scored by the Miles reward function and published as one `sample_finished` carrying
 the engine's tokens and log-probs; a sample the engine could not finish is a
 `sample_aborted(reason="engine_error")`, so its group is dropped, never stuck.
+
+When the processor seals a step (`step_sealed` on `rollout.control`), that step's
+requests in flight are aborted on every engine and its samples not yet sent are not
+sent: both become `sample_aborted(reason="cancelled")`, which the processor counts as
+`cancelled_at_seal`, and the worker moves on to the next step.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import math
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -69,6 +75,7 @@ class Progress:
     groups_issued: int = 0
     samples_finished: int = 0
     samples_aborted: int = 0
+    samples_cancelled: int = 0
     in_flight: int = 0
     response_tokens: int = 0
     engine_errors: int = 0
@@ -81,7 +88,8 @@ class Progress:
 
     def line(self, step: int) -> str:
         return (f"step {step}: groups issued {self.groups_issued}, samples finished "
-                f"{self.samples_finished}, aborted {self.samples_aborted}, in flight "
+                f"{self.samples_finished}, aborted {self.samples_aborted}, cancelled at seal "
+                f"{self.samples_cancelled}, in flight "
                 f"{self.in_flight}, {self.tokens_per_s:,.0f} tokens/s")
 
 
@@ -105,6 +113,31 @@ class RolloutWorker:
         self.progress = Progress()
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._step = config.first_step
+        self._in_flight: dict[int, set[str]] = defaultdict(set)  # step -> request ids
+        self._sealed: set[int] = set()
+        self._cancelled: set[str] = set()
+        self._aborting: set[asyncio.Task[None]] = set()
+
+    def step_sealed(self, step: int) -> None:
+        """The step's batch is complete: stop generating for it (call on the loop)."""
+        if step in self._sealed:
+            return
+        self._sealed.add(step)
+        request_ids = sorted(self._in_flight.get(step, ()))
+        self._cancelled.update(request_ids)
+        log.info("step %d sealed: aborting %d requests in flight", step, len(request_ids))
+        if request_ids:
+            task = asyncio.create_task(self._abort_everywhere(request_ids))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    async def _abort_everywhere(self, request_ids: list[str]) -> None:
+        # A router may have sent a request to any engine and forwards no aborts.
+        results = await asyncio.gather(*(e.abort(request_ids) for e in self.engines),
+                                       return_exceptions=True)
+        for engine, result in zip(self.engines, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("could not abort requests on %s: %s", engine.url, result)
 
     async def run(self) -> Progress:
         await self._check_engines()
@@ -144,21 +177,37 @@ class RolloutWorker:
             self.config.run, group_index=group_index, step=step, n_samples=n,
             prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
         self.progress.groups_issued += 1
-        await asyncio.gather(*(self._run_sample(group_index, r, prompt) for r in range(n)))
+        await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
+                               for r in range(n)))
 
-    async def _run_sample(self, group_index: int, rollout_id: int, prompt: Prompt) -> None:
+    async def _run_sample(self, step: int, group_index: int, rollout_id: int,
+                          prompt: Prompt) -> None:
         sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
         engine = self.engines[sample_index % len(self.engines)]
         request_id = f"{self.config.run}-g{group_index}-r{rollout_id}-{uuid.uuid4().hex[:8]}"
+        generation: Generation | None = None
         async with self._slots:
-            self.progress.in_flight += 1
-            try:
-                generation = await engine.generate(prompt.tokens, self.sampling, request_id)
-            except EngineError as err:
-                self._engine_failed(str(err))
-                generation = None
-            finally:
-                self.progress.in_flight -= 1
+            if step in self._sealed:
+                self._cancelled.add(request_id)  # sealed before it was sent: never send it
+            else:
+                self._in_flight[step].add(request_id)
+                self.progress.in_flight += 1
+                try:
+                    generation = await engine.generate(prompt.tokens, self.sampling, request_id)
+                except EngineError as err:
+                    if request_id not in self._cancelled:
+                        self._engine_failed(str(err))
+                finally:
+                    self.progress.in_flight -= 1
+                    self._in_flight[step].discard(request_id)
+        if request_id in self._cancelled and (generation is None
+                                              or generation.status == "aborted"):
+            self.publisher.sample_aborted(
+                self.config.run, group_index=group_index, rollout_id=rollout_id,
+                reason="cancelled",
+                response_tokens=generation.tokens if generation is not None else None)
+            self.progress.samples_cancelled += 1
+            return
         if generation is None or generation.status == "aborted":
             if generation is not None:
                 self._engine_failed(f"{engine.name} at {engine.url} aborted {request_id}")

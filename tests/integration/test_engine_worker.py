@@ -169,7 +169,7 @@ def test_worker_samples_reach_training_batches_as_the_engine_made_them(
                        "--max-new-tokens", "8", "--weight-version", "3"),
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "worker done: 4 groups, 8 samples finished, 0 aborted" in done.stdout
+    assert "worker done: 4 groups, 8 samples finished, 0 aborted, 0 cancelled" in done.stdout
     assert "reward function raised RuntimeError: the scorer crashed" in done.stderr
 
     finished = {(e.group_index, e.rollout_id): e for e in published(kafka, run_id)
@@ -201,6 +201,61 @@ def test_worker_samples_reach_training_batches_as_the_engine_made_them(
         response = tokenizer.decode(row["response_tokens"], skip_special_tokens=True)
         digits = sum(ch.isdigit() for ch in response) / max(len(response), 1)
         assert row["reward"] == pytest.approx(digits)
+
+
+def wait_for_first_group(kafka, run_id: str, worker: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 300
+    while not any(e.type == "group_started" for e in published(kafka, run_id, idle_s=1.0)):
+        assert worker.poll() is None, worker.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the worker published no group within 300 s"
+
+
+def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(
+        engine, kafka, lake_root, tmp_path):
+    """32 groups issued for a step of 2, 4 requests at a time: the processor seals the step
+    while most groups still wait or generate, and the worker stops generating for it."""
+    run_id = "seal-cancels"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}*{i}=", "label": str(i * i)} for i in range(8)])
+    worker = subprocess.Popen(
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "4",
+                       "--rollout-batch-size", "2", "--over-sampling-batch-size", "32",
+                       "--max-new-tokens", "480", "--max-in-flight", "4"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_first_group(kafka, run_id, worker)
+    # Started only now: its --until-idle counts from its start, and the worker's start-up
+    # (imports, tokenizer) can take longer than that on a loaded machine.
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "10"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err[-2000:]
+        assert "worker done: 32 groups" in out
+        processor.communicate(timeout=300)
+    finally:
+        for process in (worker, processor):
+            if process.poll() is None:
+                process.kill()
+    assert processor.returncode == 0
+
+    events = published(kafka, run_id)
+    cancelled = [e for e in events if e.type == "sample_aborted"]
+    assert cancelled and all(e.reason == "cancelled" for e in cancelled)
+    assert len(cancelled) + sum(e.type == "sample_finished" for e in events) == 32 * 4
+    [step] = rows(lake_root, "steps", run_id)
+    sealed_at = step["sealed_at"].timestamp()
+    assert all(e.ts >= sealed_at for e in cancelled)
+    print(f"first cancel {min(e.ts for e in cancelled) - sealed_at:.2f} s after the seal")
+
+    groups = by_group(lake_root, run_id)
+    cancelled_groups = {e.group_index for e in cancelled}
+    assert {groups[g]["reason"] for g in cancelled_groups} == {"cancelled_at_seal"}
+    kept = {g for g, row in groups.items() if row["decision"] == "kept"}
+    assert len(kept) == 2 and not kept & cancelled_groups
+    batch = rows(lake_root, "training_batches", run_id)
+    assert {r["group_index"] for r in batch} == kept and len(batch) == 2 * 4
 
 
 def process_tree(pid: int) -> set[int]:
@@ -244,10 +299,7 @@ def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
                        "--rollout-batch-size", str(groups), "--num-steps", str(steps),
                        "--max-new-tokens", "480"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not any(e.type == "group_started" for e in published(kafka, run_id, idle_s=1.0)):
-        assert worker.poll() is None, worker.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the worker published no group within 300 s"
+    wait_for_first_group(kafka, run_id, worker)
     engine_processes = process_tree(engine.process.pid)
     assert len(engine_processes) >= 4  # command, guard, API server, engine core
     os.kill(engine.process.pid, signal.SIGKILL)
