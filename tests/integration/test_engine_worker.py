@@ -217,17 +217,17 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
     run_id = "seal-cancels"
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}*{i}=", "label": str(i * i)} for i in range(8)])
+    # The processor runs first, so it is following the stream when the worker starts; its
+    # --until-idle counts from its start too, hence a wait longer than a loaded machine
+    # takes to start the worker.
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = subprocess.Popen(
         worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "4",
                        "--rollout-batch-size", "2", "--over-sampling-batch-size", "32",
                        "--max-new-tokens", "480", "--max-in-flight", "4"),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_first_group(kafka, run_id, worker)
-    # Started only now: its --until-idle counts from its start, and the worker's start-up
-    # (imports, tokenizer) can take longer than that on a loaded machine.
-    processor = subprocess.Popen(
-        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic-prefix", kafka.topic_prefix, "--until-idle", "10"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = worker.communicate(timeout=600)
