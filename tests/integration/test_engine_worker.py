@@ -244,6 +244,9 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
     cancelled = [e for e in events if e.type == "sample_aborted"]
     assert cancelled and all(e.reason == "cancelled" for e in cancelled)
     assert len(cancelled) + sum(e.type == "sample_finished" for e in events) == 32 * 4
+    # Aborted on the engine mid-generation (partial tokens), not only never sent:
+    assert any(e.response_tokens is not None for e in cancelled)
+    assert any(e.response_tokens is None for e in cancelled)
     [step] = rows(lake_root, "steps", run_id)
     sealed_at = step["sealed_at"].timestamp()
     assert all(e.ts >= sealed_at for e in cancelled)
