@@ -141,7 +141,7 @@ class WorkerConfig(BaseModel):
     publish_run_started: bool = True
     """Publish `run_started` with this worker's batch settings before the first group."""
     weight_version: int = Field(default=0, ge=0)
-    """Weight version stamped on every sample (the version the engines serve)."""
+    """Weight version the engines serve at the start; `weights_updated` raises it."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)

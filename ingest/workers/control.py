@@ -1,4 +1,4 @@
-"""Follows `rollout.control` for one run, so step seals reach the rollout loop as they happen.
+"""Follows `rollout.control` for one run: step seals and new weights reach the rollout loop.
 
 The consumer is positioned at the end of every partition before the worker issues its
 first group: seals of earlier worker runs are history, the ones that matter come later.
@@ -15,19 +15,22 @@ from kafka import TopicPartition
 from pydantic import ValidationError
 
 from ingest.kafka_io import KafkaSettings
-from schemas.control import StepSealed
+from schemas.control import CONTROL_MODELS, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+FOLLOWED = ("step_sealed", "weights_updated")  # `demand` is not followed by this worker yet
 
 
 class ControlFollower:
-    """Calls `on_sealed(step)` from its own thread for each `step_sealed` of `run_id`."""
+    """Calls `on_message(message)` from its own thread for each `step_sealed` and
+    `weights_updated` of `run_id`."""
 
-    def __init__(self, settings: KafkaSettings, run_id: str, on_sealed: Callable[[int], None]):
+    def __init__(self, settings: KafkaSettings, run_id: str,
+                 on_message: Callable[[StepSealed | WeightsUpdated], None]):
         self.run_id = run_id
-        self.on_sealed = on_sealed
+        self.on_message = on_message
         self._consumer = settings.consumer()
         topic = settings.topics.control
         partitions = [TopicPartition(topic, p)
@@ -53,17 +56,20 @@ class ControlFollower:
         while not self._stop.is_set():
             for records in self._consumer.poll(timeout_ms=POLL_MS).values():
                 for record in records:
-                    step = self._sealed_step(record.value)
-                    if step is not None:
-                        self.on_sealed(step)
+                    message = self._followed(record.value)
+                    if message is not None:
+                        self.on_message(message)
 
-    def _sealed_step(self, value: bytes | None) -> int | None:
+    def _followed(self, value: bytes | None) -> StepSealed | WeightsUpdated | None:
         try:
             body = orjson.loads(value or b"null")
-            if not isinstance(body, dict) or body.get("type") != "step_sealed":
-                return None  # demand, weights_updated: not followed by this worker yet
-            sealed = StepSealed.model_validate(body)
+            if not isinstance(body, dict) or body.get("type") not in FOLLOWED:
+                return None
+            message = CONTROL_MODELS[body["type"]].model_validate(body)
         except (orjson.JSONDecodeError, ValidationError) as err:
             log.warning("ignoring an unreadable rollout.control message: %s", err)
             return None
-        return sealed.step if sealed.run_id == self.run_id else None
+        if message.run_id != self.run_id:
+            return None
+        assert isinstance(message, StepSealed | WeightsUpdated)
+        return message

@@ -76,7 +76,7 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
             loop = asyncio.get_running_loop()
             follower = ControlFollower(
                 settings, config.run,
-                lambda step: loop.call_soon_threadsafe(worker.step_sealed, step)).start()
+                lambda message: loop.call_soon_threadsafe(worker.on_control, message)).start()
             return await worker.run()
     finally:
         if follower is not None:

@@ -10,6 +10,10 @@ When the processor seals a step (`step_sealed` on `rollout.control`), that step'
 requests in flight are aborted on every engine and its samples not yet sent are not
 sent: both become `sample_aborted(reason="cancelled")`, which the processor counts as
 `cancelled_at_seal`, and the worker moves on to the next step.
+
+On `weights_updated` every engine reloads the new weights (in place, requests in flight
+finishing under the old ones); requests wait meanwhile, and each sample carries the
+weight version its request was sent under.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ingest.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.engines import Engine, EngineError, Generation, Sampling
 from ingest.workers.prompts import Prompt
+from schemas.control import StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +121,43 @@ class RolloutWorker:
         self._in_flight: dict[int, set[str]] = defaultdict(set)  # step -> request ids
         self._sealed: set[int] = set()
         self._cancelled: set[str] = set()
-        self._aborting: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self.weight_version = config.weight_version
+        self._serving = asyncio.Event()  # cleared while the engines load new weights
+        self._serving.set()
+        self._reloads = asyncio.Lock()
+
+    def on_control(self, message: StepSealed | WeightsUpdated) -> None:
+        """A `rollout.control` message of this run (call on the loop)."""
+        if isinstance(message, StepSealed):
+            self.step_sealed(message.step)
+        else:
+            self._in_background(self._reload(message))
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reload(self, message: WeightsUpdated) -> None:
+        async with self._reloads:
+            if message.version <= self.weight_version:
+                return  # announced again, or older than what the engines serve
+            self._serving.clear()
+            try:
+                results = await asyncio.gather(
+                    *(e.reload_weights(message.path, message.version) for e in self.engines),
+                    return_exceptions=True)
+            finally:
+                self._serving.set()
+            failed = [(e.url, r) for e, r in zip(self.engines, results, strict=True)
+                      if isinstance(r, Exception)]
+            if failed:
+                log.error("weights %d from %s did not load on %s; samples keep version %d",
+                          message.version, message.path, failed, self.weight_version)
+                return
+            self.weight_version = message.version
+            log.info("engines serve weight version %d (%s)", message.version, message.path)
 
     def step_sealed(self, step: int) -> None:
         """The step's batch is complete: stop generating for it (call on the loop)."""
@@ -127,9 +168,7 @@ class RolloutWorker:
         self._cancelled.update(request_ids)
         log.info("step %d sealed: aborting %d requests in flight", step, len(request_ids))
         if request_ids:
-            task = asyncio.create_task(self._abort_everywhere(request_ids))
-            self._aborting.add(task)
-            task.add_done_callback(self._aborting.discard)
+            self._in_background(self._abort_everywhere(request_ids))
 
     async def _abort_everywhere(self, request_ids: list[str]) -> None:
         # A router may have sent a request to any engine and forwards no aborts.
@@ -187,6 +226,8 @@ class RolloutWorker:
         request_id = f"{self.config.run}-g{group_index}-r{rollout_id}-{uuid.uuid4().hex[:8]}"
         generation: Generation | None = None
         async with self._slots:
+            await self._serving.wait()
+            weight_version = self.weight_version
             if step in self._sealed:
                 self._cancelled.add(request_id)  # sealed before it was sent: never send it
             else:
@@ -217,7 +258,8 @@ class RolloutWorker:
                 response_tokens=generation.tokens if generation is not None else None)
             self.progress.samples_aborted += 1
             return
-        await self._publish_finished(group_index, rollout_id, sample_index, prompt, generation)
+        await self._publish_finished(group_index, rollout_id, sample_index, prompt, generation,
+                                     weight_version)
 
     def _engine_failed(self, message: str) -> None:
         self.progress.engine_errors += 1
@@ -225,7 +267,8 @@ class RolloutWorker:
         log.warning("engine error: %s", message)
 
     async def _publish_finished(self, group_index: int, rollout_id: int, sample_index: int,
-                                prompt: Prompt, generation: Generation) -> None:
+                                prompt: Prompt, generation: Generation,
+                                weight_version: int) -> None:
         response = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         sample = RewardSample(
             group_index=group_index, index=sample_index, rollout_id=rollout_id,
@@ -233,7 +276,7 @@ class RolloutWorker:
             tokens=[*prompt.tokens, *generation.tokens],
             response_length=len(generation.tokens), loss_mask=[1] * len(generation.tokens),
             rollout_log_probs=list(generation.log_probs),
-            weight_versions=[self.config.weight_version], metadata=dict(prompt.metadata),
+            weight_versions=[weight_version], metadata=dict(prompt.metadata),
             response=response)
         reward = await score(self.reward_fn, self.reward_args, sample)
         self.publisher.sample_finished(
@@ -241,7 +284,7 @@ class RolloutWorker:
             status=generation.status, prompt_tokens=prompt.tokens,
             response_tokens=generation.tokens, loss_mask=[1] * len(generation.tokens),
             rollout_log_probs=generation.log_probs, reward=reward, sample_index=sample_index,
-            weight_version=self.config.weight_version, response_text=response)
+            weight_version=weight_version, response_text=response)
         self.progress.samples_finished += 1
         self.progress.response_tokens += len(generation.tokens)
 
