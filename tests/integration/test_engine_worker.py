@@ -204,11 +204,22 @@ def test_worker_samples_reach_training_batches_as_the_engine_made_them(
         assert row["reward"] == pytest.approx(digits)
 
 
-def wait_for_first_group(kafka, run_id: str, worker: subprocess.Popen[str]) -> None:
+def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen[str]) -> None:
+    """Return as soon as the run's first `event_type` is on the broker (the worker may
+    still be publishing: this does not wait for the stream to go quiet)."""
+    consumer = kafka.consumer(consumer_timeout_ms=1000)
+    consumer.subscribe([kafka.topics.events])
     deadline = time.monotonic() + 300
-    while not any(e.type == "group_started" for e in published(kafka, run_id, idle_s=1.0)):
-        assert worker.poll() is None, worker.stderr.read()[-2000:]
-        assert time.monotonic() < deadline, "the worker published no group within 300 s"
+    try:
+        while True:
+            for record in consumer:
+                event = parse_event(json.loads(record.value))
+                if event.run_id == run_id and event.type == event_type:
+                    return
+            assert worker.poll() is None, worker.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, f"no {event_type} of {run_id} within 300 s"
+    finally:
+        consumer.close()
 
 
 def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(
@@ -271,17 +282,14 @@ def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
     zeroed.save_pretrained(tmp_path / "zeroed")
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}-1=", "label": str(i - 1)} for i in range(1, 5)])
-    steps = 200  # ~15 s of generation: the announcement lands while the worker runs
+    steps = 200  # tens of seconds of generation: the announcement lands mid-run
     worker = subprocess.Popen(
         worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
                        "--rollout-batch-size", "2", "--num-steps", str(steps),
                        "--max-new-tokens", "16", "--weight-version", "4"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not any(e.type == "sample_finished" for e in published(kafka, run_id, 1.0)):
-            assert worker.poll() is None, worker.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "no sample within 300 s"
+        wait_for_event(kafka, run_id, "sample_finished", worker)
         producer = kafka.producer()
         announcement = WeightsUpdated(run_id=run_id, step=0, path=str(tmp_path / "zeroed"),
                                       version=5)
@@ -352,7 +360,7 @@ def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
                        "--rollout-batch-size", str(groups), "--num-steps", str(steps),
                        "--max-new-tokens", "480"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_first_group(kafka, run_id, worker)
+    wait_for_event(kafka, run_id, "group_started", worker)
     engine_processes = process_tree(engine.process.pid)
     assert len(engine_processes) >= 4  # command, guard, API server, engine core
     os.kill(engine.process.pid, signal.SIGKILL)
