@@ -4,16 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+ENGINE_VENV ?= .venv-engine
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install kafka-jars demo test test-fast lint bench clean
+.PHONY: install kafka-jars engine demo test test-fast lint bench clean
 
 install: $(STAMP)
 
-# torch is pinned to the CPU build first so nothing later pulls a CUDA build.
+# torch is pinned first (PyPI's 2.13.0: a CUDA build that runs on the CPU) so nothing later
+# pulls another version.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -25,10 +27,14 @@ $(STAMP): pyproject.toml
 kafka-jars:
 	sh deploy/kafka/fetch.sh
 
+# The vLLM CPU engine lives in its own venv (its pins clash with the gateway's).
+engine:
+	PYTHON=$(PYTHON) sh deploy/engine/install.sh $(ENGINE_VENV)
+
 demo: install
 	$(VENV)/bin/rolloutlake demo
 
-test: install kafka-jars
+test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m pytest -q

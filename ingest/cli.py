@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.main", "train on sealed batches with DeepSpeed"),
     "wandb-sync": ("ingest.wandb_sync", "log a run's step metrics to Weights & Biases"),
     "watch": ("ingest.watch", "live terminal table of a run's steps"),
+    "engine": ("ingest.workers.engine_server", "run vLLM's CPU engine on loopback (tiny policy or a model folder)"),
+    "worker": ("ingest.workers.main", "generate rollouts on engines, score them and publish events"),
 }
 
 

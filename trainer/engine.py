@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ingest.lake import Lake
 from schemas.errors import ConfigError
@@ -35,6 +35,7 @@ from trainer.config import TrainerConfig
 from trainer.losses import LossSettings, micro_batch_loss, token_log_probs
 from trainer.outputs import StepSink, weights_path
 from trainer.reducers import StepReduction, load_pg_loss_reducer
+from trainer.tiny import tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,11 @@ TINY_VOCAB_SIZE = 512
 
 
 def build_model(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A local HF causal LM, or `tiny`: a 2-layer random Llama that needs no download."""
+    """A local HF causal LM, or `tiny`: the tiny policy's architecture (`trainer.tiny`)
+    with a vocabulary wide enough for synthetic token ids; needs no download."""
     torch.manual_seed(seed)
     if spec == "tiny":
-        config = LlamaConfig(
-            vocab_size=TINY_VOCAB_SIZE,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        )
-        return LlamaForCausalLM(config).to(dtype)
+        return tiny_model(TINY_VOCAB_SIZE, seed, dtype)
     return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
 
 

@@ -1,0 +1,195 @@
+"""Typed configs of `rolloutlake engine` and `rolloutlake worker`, and flags made from them.
+
+Every field maps to the flag `--<field-name>` (underscores become dashes); its attribute
+docstring is the `--help` text and a validation error names the flag to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from ingest.workers.engines import EngineKind
+from schemas.errors import ConfigError
+from schemas.events import RunId
+
+Model = typing.TypeVar("Model", bound=BaseModel)
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config: type[BaseModel]) -> None:
+    """One flag per field; unset flags stay None so the model's defaults apply."""
+    for name, field in config.model_fields.items():
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": field.description}
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(field.annotation) is Literal:
+            kwargs["choices"] = list(typing.get_args(field.annotation))
+        if field.is_required():
+            kwargs["required"] = True
+        parser.add_argument(flag(name), **kwargs)
+
+
+def config_from_args(config: type[Model], args: argparse.Namespace) -> Model:
+    """Validate the flags given; the first error becomes a one-line `ConfigError`."""
+    values = {name: getattr(args, name) for name in config.model_fields
+              if getattr(args, name, None) is not None}
+    try:
+        return config(**values)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        field = str(err["loc"][0]) if err["loc"] else "config"
+        raise ConfigError(f"{flag(field)}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+class EngineServerConfig(BaseModel):
+    """One vLLM CPU engine on loopback."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    model: str = "tiny"
+    """Local Hugging Face model folder, or `tiny`: the tiny policy, written to `--tiny-dir`
+    on first use."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """Loopback port of the engine's HTTP API."""
+    tiny_dir: Path = Path("artifacts/tiny-policy")
+    """Where `--model tiny` keeps the tiny policy (weights and tokenizer); an existing one
+    is reused, so the trainer can load the same folder."""
+    venv: Path = Path(".venv-engine")
+    """The engine's own virtual environment (`make engine` installs it)."""
+    max_model_len: int = Field(default=512, ge=16)
+    """Longest prompt + response, in tokens."""
+    kv_cache_gib: int = Field(default=1, ge=1)
+    """KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+    ready_timeout_s: float = Field(default=600.0, gt=0)
+    """Give up when `/health` does not answer within this many seconds."""
+    log_file: Path | None = None
+    """Write the engine's own output here; unset passes it through."""
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str) -> str:
+        if value != "tiny" and not (Path(value) / "config.json").is_file():
+            raise ValueError(f"{value!r} is neither 'tiny' nor a model folder with config.json")
+        return value
+
+
+class WorkerConfig(BaseModel):
+    """One rollout worker: prompts from a dataset file, samples from engines, events to Kafka."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    run: RunId
+    """The run whose rollouts this worker generates."""
+    prompt_data: Path
+    """JSONL dataset of prompts (Miles `--prompt-data`), one object per line."""
+    tokenizer: Path
+    """Hugging Face tokenizer folder of the engine's model (for `--model tiny`: its
+    `--tiny-dir`); prompts are tokenized here, engines get token ids."""
+    custom_rm_path: str
+    """Reward function `module.fn` or `module:fn`, Miles signature
+    `async def rm(args, sample) -> float | dict`; one that raises scores the sample null."""
+    bootstrap_servers: str = "127.0.0.1:9092"
+    """Kafka bootstrap servers."""
+    topic_prefix: str = ""
+    """Prefix of the Kafka topic names, as for the other services."""
+    engine: EngineKind = "vllm"
+    """Engine API: `vllm` (OpenAI-compatible) or `sglang` (native)."""
+    engine_url: str = "http://127.0.0.1:8000"
+    """Engine base URL; several, comma-separated, share the requests round-robin."""
+    input_key: str = "input"
+    """Dataset key of the prompt (Miles `--input-key`); a string."""
+    label_key: str | None = None
+    """Dataset key of the label (Miles `--label-key`); a row without it is an error."""
+    metadata_key: str = "metadata"
+    """Dataset key of the row metadata (Miles `--metadata-key`)."""
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    """Samples per prompt; each is one engine request with its own request id."""
+    rollout_batch_size: int = Field(default=4, ge=1)
+    """Kept groups per step (the processor seals a step at this many)."""
+    over_sampling_batch_size: int | None = Field(default=None, ge=1)
+    """Groups issued per step; unset issues `rollout_batch_size`."""
+    num_steps: int = Field(default=1, ge=1)
+    """Steps to generate; the worker exits when they are done."""
+    first_step: int = Field(default=0, ge=0)
+    """Step of the first groups issued; group indexes start at `first_step` times the
+    groups issued per step, so a worker resumed at a later step does not reuse them."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = Field(default=64, ge=1)
+    """Most tokens generated per sample."""
+    reward_key: str | None = None
+    """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
+    dynamic_sampling_filter_path: str | None = None
+    """The run's group filter, sent in `run_started` (e.g. `ingest.filters.reward_nonzero_std`)."""
+    publish_run_started: bool = True
+    """Publish `run_started` with this worker's batch settings before the first group."""
+    weight_version: int = Field(default=0, ge=0)
+    """Weight version the engines serve at the start; `weights_updated` raises it."""
+    max_in_flight: int = Field(default=64, ge=1)
+    """Most engine requests open at once, over all engines."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds one engine request may take before it is an engine error."""
+
+    @field_validator("prompt_data")
+    @classmethod
+    def _dataset_exists(cls, value: Path) -> Path:
+        if not value.is_file():
+            raise ValueError(f"no such file: {value}")
+        return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: Path) -> Path:
+        if not (value / "tokenizer.json").is_file() and not (value / "tokenizer_config.json").is_file():
+            raise ValueError(f"{value} holds no Hugging Face tokenizer (tokenizer.json)")
+        return value
+
+    @field_validator("custom_rm_path")
+    @classmethod
+    def _rm_path_shape(cls, value: str) -> str:
+        if "." not in value and ":" not in value:
+            raise ValueError(f"{value!r} must be 'module.fn' or 'module:fn'")
+        return value
+
+    @field_validator("over_sampling_batch_size")
+    @classmethod
+    def _over_sampling_at_least_batch(cls, value: int | None, info: ValidationInfo) -> int | None:
+        batch = info.data.get("rollout_batch_size")
+        if value is not None and batch is not None and value < batch:
+            raise ValueError(f"must be >= --rollout-batch-size ({batch}), got {value}")
+        return value
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.over_sampling_batch_size or self.rollout_batch_size
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [url.strip() for url in self.engine_url.split(",") if url.strip()]
+
+    def run_config(self) -> dict[str, Any]:
+        """The `run_started` config (CONTRACT section 2) this worker's flags describe."""
+        return {
+            "n_samples_per_prompt": self.n_samples_per_prompt,
+            "rollout_batch_size": self.rollout_batch_size,
+            "over_sampling_batch_size": self.groups_per_step,
+            "dynamic_sampling_filter_path": self.dynamic_sampling_filter_path,
+            "reward_key": self.reward_key,
+        }

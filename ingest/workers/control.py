@@ -1,0 +1,75 @@
+"""Follows `rollout.control` for one run: step seals and new weights reach the rollout loop.
+
+The consumer is positioned at the end of every partition before the worker issues its
+first group: seals of earlier worker runs are history, the ones that matter come later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import orjson
+from kafka import TopicPartition
+from pydantic import ValidationError
+
+from ingest.kafka_io import KafkaSettings
+from schemas.control import CONTROL_MODELS, StepSealed, WeightsUpdated
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+FOLLOWED = ("step_sealed", "weights_updated")  # `demand` is not followed by this worker yet
+
+
+class ControlFollower:
+    """Calls `on_message(message)` from its own thread for each `step_sealed` and
+    `weights_updated` of `run_id`."""
+
+    def __init__(self, settings: KafkaSettings, run_id: str,
+                 on_message: Callable[[StepSealed | WeightsUpdated], None]):
+        self.run_id = run_id
+        self.on_message = on_message
+        self._consumer = settings.consumer()
+        topic = settings.topics.control
+        partitions = [TopicPartition(topic, p)
+                      for p in sorted(self._consumer.partitions_for_topic(topic) or ())]
+        self._consumer.assign(partitions)
+        self._consumer.seek_to_end(*partitions)
+        for partition in partitions:
+            self._consumer.position(partition)  # resolve "end" now, not at the first poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="control-follower",
+                                        daemon=True)
+
+    def start(self) -> ControlFollower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._consumer.close()
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            for records in self._consumer.poll(timeout_ms=POLL_MS).values():
+                for record in records:
+                    message = self._followed(record.value)
+                    if message is not None:
+                        self.on_message(message)
+
+    def _followed(self, value: bytes | None) -> StepSealed | WeightsUpdated | None:
+        try:
+            body = orjson.loads(value or b"null")
+            if not isinstance(body, dict) or body.get("type") not in FOLLOWED:
+                return None
+            message = CONTROL_MODELS[body["type"]].model_validate(body)
+        except (orjson.JSONDecodeError, ValidationError) as err:
+            log.warning("ignoring an unreadable rollout.control message: %s", err)
+            return None
+        if message.run_id != self.run_id:
+            return None
+        assert isinstance(message, StepSealed | WeightsUpdated)
+        return message

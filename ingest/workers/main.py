@@ -1,0 +1,85 @@
+"""`rolloutlake worker`: flags, wiring and the run of one rollout worker.
+
+    rolloutlake worker --run r1 --prompt-data prompts.jsonl --tokenizer artifacts/tiny-policy \
+        --custom-rm-path my_rewards.exact_match --engine-url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from gateway.datasets import DatasetOptions
+from ingest.filters import load_filter
+from ingest.kafka_io import KafkaSettings
+from ingest.publisher import RolloutPublisher
+from ingest.workers.config import WorkerConfig, add_config_arguments, config_from_args
+from ingest.workers.control import ControlFollower
+from ingest.workers.engines import EngineError, make_engine
+from ingest.workers.prompts import load_prompts
+from ingest.workers.rollout import Progress, RolloutWorker
+from schemas.errors import ConfigError, FilterLoadError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, WorkerConfig)
+
+
+def load_tokenizer(config: WorkerConfig):
+    from transformers import AutoTokenizer  # heavy: only once the flags are valid
+
+    try:
+        return AutoTokenizer.from_pretrained(str(config.tokenizer), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--tokenizer: cannot load {config.tokenizer}: {err}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    config = config_from_args(WorkerConfig, args)
+    try:
+        reward_fn = load_filter(config.custom_rm_path)
+    except FilterLoadError as err:
+        raise ConfigError(f"--custom-rm-path: {err}") from None
+    tokenizer = load_tokenizer(config)
+    prompts = load_prompts(config.prompt_data, DatasetOptions(
+        input_key=config.input_key, label_key=config.label_key,
+        metadata_key=config.metadata_key), tokenizer)
+    log.info("worker config %s", config.model_dump_json())
+    progress = asyncio.run(_run(config, reward_fn, tokenizer, prompts))
+    print(f"worker done: {progress.groups_issued} groups, {progress.samples_finished} samples "
+          f"finished, {progress.samples_aborted} aborted, {progress.samples_cancelled} "
+          f"cancelled at seal, {progress.response_tokens} response tokens at "
+          f"{progress.tokens_per_s:,.0f} tokens/s", flush=True)
+    if progress.engine_errors:
+        raise EngineError(f"{progress.engine_errors} samples got no answer from the engine, "
+                          f"published as sample_aborted(engine_error) (last: "
+                          f"{progress.last_engine_error})")
+    return 0
+
+
+async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
+    engines = [make_engine(config.engine, url, timeout_s=config.request_timeout_s)
+               for url in config.engine_urls]
+    settings = KafkaSettings(bootstrap_servers=config.bootstrap_servers,
+                             topic_prefix=config.topic_prefix)
+    follower: ControlFollower | None = None
+    try:
+        with RolloutPublisher(settings, producer_id=f"worker-{config.run}") as publisher:
+            worker = RolloutWorker(config, publisher=publisher, engines=engines,
+                                   tokenizer=tokenizer, reward_fn=reward_fn, prompts=prompts,
+                                   terminal=sys.stderr)
+            loop = asyncio.get_running_loop()
+            follower = ControlFollower(
+                settings, config.run,
+                lambda message: loop.call_soon_threadsafe(worker.on_control, message)).start()
+            return await worker.run()
+    finally:
+        if follower is not None:
+            follower.stop()
+        for engine in engines:
+            await engine.aclose()

@@ -1,0 +1,299 @@
+"""The rollout loop: prompt groups -> one engine request per sample -> reward -> events.
+
+Per step the worker issues `groups_per_step` groups; each group is a `group_started` and
+`n_samples_per_prompt` engine requests, each with its own request id. A finished sample
+is scored by the Miles reward function and published as one `sample_finished` carrying
+the engine's tokens and log-probs; a sample the engine could not finish is a
+`sample_aborted(reason="engine_error")`, so its group is dropped, never stuck.
+
+When the processor seals a step (`step_sealed` on `rollout.control`), that step's
+requests in flight are aborted on every engine and its samples not yet sent are not
+sent: both become `sample_aborted(reason="cancelled")`, which the processor counts as
+`cancelled_at_seal`, and the worker moves on to the next step.
+
+On `weights_updated` every engine reloads the new weights (in place, requests in flight
+finishing under the old ones); requests wait meanwhile, and each sample carries the
+weight version its request was sent under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from ingest.filters import FilterArgs, MilesSample, SampleStatus
+from ingest.publisher import RolloutPublisher
+from ingest.workers.config import WorkerConfig
+from ingest.workers.engines import Engine, EngineError, Generation, Sampling
+from ingest.workers.prompts import Prompt
+from schemas.control import StepSealed, WeightsUpdated
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class RewardSample(MilesSample):
+    """What a Miles `--custom-rm-path` function gets: the sample plus its decoded response."""
+
+    response: str = ""
+
+
+def checked_reward(value: Any) -> Any:
+    """A reward the contract can carry: a finite number, an object, or null."""
+    if isinstance(value, bool) or not isinstance(value, int | float | dict | type(None)):
+        log.warning("reward function returned %s, not a number or dict; reward null",
+                    type(value).__name__)
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        log.warning("reward function returned %r; reward null", value)
+        return None
+    return float(value) if isinstance(value, int) else value
+
+
+async def score(reward_fn: Callable[..., Any], args: Any, sample: RewardSample) -> Any:
+    """The sample's reward; a reward function that raises scores it null (scoring failed)."""
+    try:
+        result = reward_fn(args, sample)
+        if inspect.isawaitable(result):
+            result = await result
+    except Exception as err:  # the user's function: any failure is a missing reward
+        log.warning("reward function raised %s: %s (group %d rollout %d); reward null",
+                    type(err).__name__, err, sample.group_index, sample.rollout_id)
+        return None
+    return checked_reward(result)
+
+
+@dataclass
+class Progress:
+    """Counters of one worker run, and the terminal line drawn from them."""
+
+    groups_issued: int = 0
+    samples_finished: int = 0
+    samples_aborted: int = 0
+    samples_cancelled: int = 0
+    in_flight: int = 0
+    response_tokens: int = 0
+    engine_errors: int = 0
+    last_engine_error: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / max(time.monotonic() - self.started, 1e-9)
+
+    def line(self, step: int) -> str:
+        return (f"step {step}: groups issued {self.groups_issued}, samples finished "
+                f"{self.samples_finished}, aborted {self.samples_aborted}, cancelled at seal "
+                f"{self.samples_cancelled}, in flight "
+                f"{self.in_flight}, {self.tokens_per_s:,.0f} tokens/s")
+
+
+class RolloutWorker:
+    """Generates, scores and publishes the configured steps of one run."""
+
+    def __init__(self, config: WorkerConfig, *, publisher: RolloutPublisher,
+                 engines: list[Engine], tokenizer: Any, reward_fn: Callable[..., Any],
+                 prompts: list[Prompt], terminal: TextIO | None = None):
+        self.config = config
+        self.publisher = publisher
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.prompts = prompts
+        self.terminal = terminal if terminal is not None and terminal.isatty() else None
+        self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
+                                 max_new_tokens=config.max_new_tokens)
+        self.reward_args = FilterArgs(**{**config.model_dump(mode="json"),
+                                        **config.run_config()})
+        self.progress = Progress()
+        self._slots = asyncio.Semaphore(config.max_in_flight)
+        self._step = config.first_step
+        self._in_flight: dict[int, set[str]] = defaultdict(set)  # step -> request ids
+        self._sealed: set[int] = set()
+        self._cancelled: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self.weight_version = config.weight_version
+        self._serving = asyncio.Event()  # cleared while the engines load new weights
+        self._serving.set()
+        self._reloads = asyncio.Lock()
+
+    def on_control(self, message: StepSealed | WeightsUpdated) -> None:
+        """A `rollout.control` message of this run (call on the loop)."""
+        if isinstance(message, StepSealed):
+            self.step_sealed(message.step)
+        else:
+            self._in_background(self._reload(message))
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reload(self, message: WeightsUpdated) -> None:
+        async with self._reloads:
+            if message.version <= self.weight_version:
+                return  # announced again, or older than what the engines serve
+            self._serving.clear()
+            try:
+                results = await asyncio.gather(
+                    *(e.reload_weights(message.path, message.version) for e in self.engines),
+                    return_exceptions=True)
+            finally:
+                self._serving.set()
+            failed = [(e.url, r) for e, r in zip(self.engines, results, strict=True)
+                      if isinstance(r, Exception)]
+            if failed:
+                log.error("weights %d from %s did not load on %s; samples keep version %d",
+                          message.version, message.path, failed, self.weight_version)
+                return
+            self.weight_version = message.version
+            log.info("engines serve weight version %d (%s)", message.version, message.path)
+
+    def step_sealed(self, step: int) -> None:
+        """The step's batch is complete: stop generating for it (call on the loop)."""
+        if step in self._sealed:
+            return
+        self._sealed.add(step)
+        request_ids = sorted(self._in_flight.get(step, ()))
+        self._cancelled.update(request_ids)
+        log.info("step %d sealed: aborting %d requests in flight", step, len(request_ids))
+        if request_ids:
+            self._in_background(self._abort_everywhere(request_ids))
+
+    async def _abort_everywhere(self, request_ids: list[str]) -> None:
+        # A router may have sent a request to any engine and forwards no aborts.
+        results = await asyncio.gather(*(e.abort(request_ids) for e in self.engines),
+                                       return_exceptions=True)
+        for engine, result in zip(self.engines, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("could not abort requests on %s: %s", engine.url, result)
+
+    async def run(self) -> Progress:
+        await self._check_engines()
+        self.progress = Progress()  # tokens/s counts from the first request
+        if self.config.publish_run_started:
+            self.publisher.run_started(self.config.run, self.config.run_config(),
+                                       dataset=str(self.config.prompt_data))
+        drawing = asyncio.create_task(self._draw()) if self.terminal else None
+        try:
+            for step in range(self.config.first_step,
+                              self.config.first_step + self.config.num_steps):
+                self._step = step
+                await self._run_step(step)
+                log.info("%s", self.progress.line(step))
+        finally:
+            if drawing is not None:
+                drawing.cancel()
+                self._print_progress(end="\n")
+            self.publisher.flush()
+        return self.progress
+
+    async def _check_engines(self) -> None:
+        for engine in self.engines:
+            if not await engine.health():
+                raise EngineError(f"no engine answers at {engine.url}/health; start one with "
+                                  "`rolloutlake engine` or fix --engine-url")
+
+    async def _run_step(self, step: int) -> None:
+        per_step = self.config.groups_per_step
+        first = step * per_step
+        await asyncio.gather(*(self._run_group(step, g) for g in range(first, first + per_step)))
+
+    async def _run_group(self, step: int, group_index: int) -> None:
+        prompt = self.prompts[group_index % len(self.prompts)]
+        n = self.config.n_samples_per_prompt
+        self.publisher.group_started(
+            self.config.run, group_index=group_index, step=step, n_samples=n,
+            prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
+        self.progress.groups_issued += 1
+        await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
+                               for r in range(n)))
+
+    async def _run_sample(self, step: int, group_index: int, rollout_id: int,
+                          prompt: Prompt) -> None:
+        sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
+        engine = self.engines[sample_index % len(self.engines)]
+        request_id = f"{self.config.run}-g{group_index}-r{rollout_id}-{uuid.uuid4().hex[:8]}"
+        generation: Generation | None = None
+        async with self._slots:
+            await self._serving.wait()
+            weight_version = self.weight_version
+            if step in self._sealed:
+                self._cancelled.add(request_id)  # sealed before it was sent: never send it
+            else:
+                self._in_flight[step].add(request_id)
+                self.progress.in_flight += 1
+                try:
+                    generation = await engine.generate(prompt.tokens, self.sampling, request_id)
+                except EngineError as err:
+                    if request_id not in self._cancelled:
+                        self._engine_failed(str(err))
+                finally:
+                    self.progress.in_flight -= 1
+                    self._in_flight[step].discard(request_id)
+        if request_id in self._cancelled and (generation is None
+                                              or generation.status == "aborted"):
+            self.publisher.sample_aborted(
+                self.config.run, group_index=group_index, rollout_id=rollout_id,
+                reason="cancelled",
+                response_tokens=generation.tokens if generation is not None else None)
+            self.progress.samples_cancelled += 1
+            return
+        if generation is None or generation.status == "aborted":
+            if generation is not None:
+                self._engine_failed(f"{engine.name} at {engine.url} aborted {request_id}")
+            self.publisher.sample_aborted(
+                self.config.run, group_index=group_index, rollout_id=rollout_id,
+                reason="engine_error",
+                response_tokens=generation.tokens if generation is not None else None)
+            self.progress.samples_aborted += 1
+            return
+        await self._publish_finished(group_index, rollout_id, sample_index, prompt, generation,
+                                     weight_version)
+
+    def _engine_failed(self, message: str) -> None:
+        self.progress.engine_errors += 1
+        self.progress.last_engine_error = message
+        log.warning("engine error: %s", message)
+
+    async def _publish_finished(self, group_index: int, rollout_id: int, sample_index: int,
+                                prompt: Prompt, generation: Generation,
+                                weight_version: int) -> None:
+        response = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
+        sample = RewardSample(
+            group_index=group_index, index=sample_index, rollout_id=rollout_id,
+            status=SampleStatus(generation.status), prompt=prompt.text, label=prompt.label,
+            tokens=[*prompt.tokens, *generation.tokens],
+            response_length=len(generation.tokens), loss_mask=[1] * len(generation.tokens),
+            rollout_log_probs=list(generation.log_probs),
+            weight_versions=[weight_version], metadata=dict(prompt.metadata),
+            response=response)
+        reward = await score(self.reward_fn, self.reward_args, sample)
+        self.publisher.sample_finished(
+            self.config.run, group_index=group_index, rollout_id=rollout_id,
+            status=generation.status, prompt_tokens=prompt.tokens,
+            response_tokens=generation.tokens, loss_mask=[1] * len(generation.tokens),
+            rollout_log_probs=generation.log_probs, reward=reward, sample_index=sample_index,
+            weight_version=weight_version, response_text=response)
+        self.progress.samples_finished += 1
+        self.progress.response_tokens += len(generation.tokens)
+
+    async def _draw(self) -> None:
+        while True:
+            self._print_progress()
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+    def _print_progress(self, end: str = "") -> None:
+        assert self.terminal is not None
+        self.terminal.write("\r\x1b[2K" + self.progress.line(self._step) + end)
+        self.terminal.flush()

@@ -1,0 +1,385 @@
+"""The vLLM CPU engine and the rollout worker, for real.
+
+One `rolloutlake engine` on the tiny policy serves this module: the adapter's tokens and
+log-probs are checked against the same weights run by Hugging Face in torch, a weight
+reload must change what the engine computes, and the worker's samples must reach
+`training_batches` through the real broker, processor and Delta. The last test kills
+the engine command with SIGKILL in the middle of a worker run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ingest.broker import free_port
+from ingest.workers.engines import Generation, Sampling, VLLMEngine
+from schemas.control import WeightsUpdated
+from schemas.events import parse_event
+from tests.integration.pipeline import by_group, rows, run_processor
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "ingest.cli"]
+VOCAB = 64
+PROMPT = "12+34="
+REWARD_PATH = "tests.integration.user_rewards.digit_share_or_raise"
+
+
+@dataclass
+class RunningEngine:
+    url: str
+    process: subprocess.Popen[str]
+    tiny_dir: Path
+    log_file: Path
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    port = free_port()
+    log_file = root / "engine.log"
+    process = subprocess.Popen(
+        [*CLI, "engine", "--port", str(port), "--tiny-dir", str(root / "tiny"),
+         "--venv", str(ROOT / ".venv-engine"), "--log-file", str(log_file)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = process.stdout.readline()  # the command prints one line once /health answers
+    if "engine ready" not in ready:
+        process.kill()
+        pytest.fail(f"rolloutlake engine did not start: {ready}{process.stderr.read()}")
+    yield RunningEngine(f"http://127.0.0.1:{port}", process, root / "tiny", log_file)
+    if process.poll() is None:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine):
+    return AutoTokenizer.from_pretrained(engine.tiny_dir)
+
+
+def generate(url: str, prompt: list[int], sampling: Sampling, request_id: str) -> Generation:
+    async def once() -> Generation:
+        client = VLLMEngine(url)
+        try:
+            return await client.generate(prompt, sampling, request_id)
+        finally:
+            await client.aclose()
+    return asyncio.run(once())
+
+
+def reload(url: str, path: Path, version: int) -> None:
+    async def once() -> None:
+        client = VLLMEngine(url)
+        try:
+            await client.reload_weights(str(path), version)
+        finally:
+            await client.aclose()
+    asyncio.run(once())
+
+
+def torch_log_probs(model_dir: Path, prompt: list[int], response: list[int]) -> list[float]:
+    """Log-probs of `response` after `prompt` under the folder's weights, in plain torch."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    picked = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(response)[:, None])
+    return picked[:, 0].tolist()
+
+
+def test_generation_returns_the_policys_tokens_and_log_probs(engine, tokenizer):
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    out = generate(engine.url, prompt, Sampling(temperature=1.0, max_new_tokens=12), "gen-1")
+    assert 1 <= len(out.tokens) <= 12
+    assert out.status in ("completed", "truncated")
+    assert (out.status == "truncated") == (len(out.tokens) == 12)
+    assert all(0 <= t < VOCAB for t in out.tokens)
+    assert out.log_probs == pytest.approx(
+        torch_log_probs(engine.tiny_dir, prompt, out.tokens), abs=2e-3)
+
+
+def test_reload_of_changed_weights_changes_the_log_probs(engine, tokenizer, tmp_path):
+    zeroed = AutoModelForCausalLM.from_pretrained(engine.tiny_dir)
+    with torch.no_grad():
+        zeroed.lm_head.weight.zero_()  # every logit 0: a uniform policy over the vocabulary
+    zeroed.save_pretrained(tmp_path / "zeroed")
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    sampling = Sampling(temperature=1.0, max_new_tokens=6)
+    reload(engine.url, tmp_path / "zeroed", 1)
+    try:
+        uniform = generate(engine.url, prompt, sampling, "after-zero")
+        assert uniform.log_probs == pytest.approx([-math.log(VOCAB)] * len(uniform.tokens),
+                                                  abs=1e-4)
+    finally:
+        reload(engine.url, engine.tiny_dir, 2)  # the other tests expect the tiny policy
+    restored = generate(engine.url, prompt, sampling, "after-restore")
+    assert restored.log_probs == pytest.approx(
+        torch_log_probs(engine.tiny_dir, prompt, restored.tokens), abs=2e-3)
+    assert restored.log_probs != pytest.approx([-math.log(VOCAB)] * len(restored.tokens),
+                                               abs=1e-3)
+
+
+def write_dataset(path: Path, rows_: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return path
+
+
+def worker_command(engine: RunningEngine, kafka, run_id: str, dataset: Path,
+                   *extra: str) -> list[str]:
+    return [*CLI, "worker", "--run", run_id, "--prompt-data", str(dataset),
+            "--label-key", "label", "--tokenizer", str(engine.tiny_dir),
+            "--custom-rm-path", REWARD_PATH, "--engine-url", engine.url,
+            "--bootstrap-servers", kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix,
+            *extra]
+
+
+def published(kafka, run_id: str, idle_s: float = 3.0) -> list:
+    """Every event of the run on `rollout.events`, read back from the broker."""
+    consumer = kafka.consumer(consumer_timeout_ms=int(idle_s * 1000))
+    consumer.subscribe([kafka.topics.events])
+    try:
+        events = [parse_event(json.loads(record.value)) for record in consumer]
+    finally:
+        consumer.close()
+    return [e for e in events if e.run_id == run_id]
+
+
+def test_worker_samples_reach_training_batches_as_the_engine_made_them(
+        engine, tokenizer, kafka, lake_root, tmp_path):
+    run_id = "worker-e2e"
+    dataset = write_dataset(tmp_path / "prompts.jsonl", [
+        {"input": "1+1=", "label": "2"}, {"input": "2+3=", "label": "5"},
+        {"input": "7-4=", "label": "boom"}, {"input": "9+0=", "label": "9"}])
+    done = subprocess.run(
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
+                       "--rollout-batch-size", "3", "--over-sampling-batch-size", "4",
+                       "--max-new-tokens", "8", "--weight-version", "3"),
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "worker done: 4 groups, 8 samples finished, 0 aborted, 0 cancelled" in done.stdout
+    assert "reward function raised RuntimeError: the scorer crashed" in done.stderr
+
+    finished = {(e.group_index, e.rollout_id): e for e in published(kafka, run_id)
+                if e.type == "sample_finished"}
+    assert len(finished) == 8
+    run_processor(kafka, lake_root, idle_s=3.0)
+
+    groups = by_group(lake_root, run_id)
+    assert {g: groups[g]["decision"] for g in groups} == {
+        0: "kept", 1: "kept", 2: "dropped", 3: "kept"}
+    assert groups[2]["reason"] == "group_has_missing_reward"
+    assert [s["reward"] for s in rows(lake_root, "samples", run_id)
+            if s["group_index"] == 2] == [None, None]
+
+    batch = rows(lake_root, "training_batches", run_id)
+    assert sorted((r["group_index"], r["rollout_id"]) for r in batch) == [
+        (g, r) for g in (0, 1, 3) for r in (0, 1)]
+    prompts = ["1+1=", "2+3=", "7-4=", "9+0="]
+    for row in batch:
+        event = finished[(row["group_index"], row["rollout_id"])]
+        prompt = tokenizer(prompts[row["group_index"]], add_special_tokens=False)["input_ids"]
+        assert row["prompt_tokens"] == event.prompt_tokens == prompt
+        assert row["response_tokens"] == event.response_tokens
+        assert row["rollout_log_probs"] == pytest.approx(event.rollout_log_probs, abs=1e-6)
+        assert row["rollout_log_probs"] == pytest.approx(
+            torch_log_probs(engine.tiny_dir, prompt, row["response_tokens"]), abs=2e-3)
+        assert row["loss_mask"] == [1] * len(row["response_tokens"])
+        assert row["weight_version"] == 3
+        response = tokenizer.decode(row["response_tokens"], skip_special_tokens=True)
+        digits = sum(ch.isdigit() for ch in response) / max(len(response), 1)
+        assert row["reward"] == pytest.approx(digits)
+
+
+def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen[str]) -> None:
+    """Return as soon as the run's first `event_type` is on the broker (the worker may
+    still be publishing: this does not wait for the stream to go quiet)."""
+    consumer = kafka.consumer(consumer_timeout_ms=1000)
+    consumer.subscribe([kafka.topics.events])
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            for record in consumer:
+                event = parse_event(json.loads(record.value))
+                if event.run_id == run_id and event.type == event_type:
+                    return
+            assert worker.poll() is None, worker.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, f"no {event_type} of {run_id} within 300 s"
+    finally:
+        consumer.close()
+
+
+def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(
+        engine, kafka, lake_root, tmp_path):
+    """32 groups issued for a step of 2, 4 requests at a time: the processor seals the step
+    while most groups still wait or generate, and the worker stops generating for it."""
+    run_id = "seal-cancels"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}*{i}=", "label": str(i * i)} for i in range(8)])
+    # The processor runs first, so it is following the stream when the worker starts; its
+    # --until-idle counts from its start too, hence a wait longer than a loaded machine
+    # takes to start the worker.
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "4",
+                       "--rollout-batch-size", "2", "--over-sampling-batch-size", "32",
+                       "--max-new-tokens", "480", "--max-in-flight", "4"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err[-2000:]
+        assert "worker done: 32 groups" in out
+        processor.communicate(timeout=300)
+    finally:
+        for process in (worker, processor):
+            if process.poll() is None:
+                process.kill()
+    assert processor.returncode == 0
+
+    events = published(kafka, run_id)
+    cancelled = [e for e in events if e.type == "sample_aborted"]
+    assert cancelled and all(e.reason == "cancelled" for e in cancelled)
+    assert len(cancelled) + sum(e.type == "sample_finished" for e in events) == 32 * 4
+    # Aborted on the engine mid-generation (partial tokens), not only never sent:
+    assert any(e.response_tokens is not None for e in cancelled)
+    assert any(e.response_tokens is None for e in cancelled)
+    [step] = rows(lake_root, "steps", run_id)
+    sealed_at = step["sealed_at"].timestamp()
+    assert all(e.ts >= sealed_at for e in cancelled)
+    print(f"first cancel {min(e.ts for e in cancelled) - sealed_at:.2f} s after the seal")
+
+    groups = by_group(lake_root, run_id)
+    cancelled_groups = {e.group_index for e in cancelled}
+    assert {groups[g]["reason"] for g in cancelled_groups} == {"cancelled_at_seal"}
+    kept = {g for g, row in groups.items() if row["decision"] == "kept"}
+    assert len(kept) == 2 and not kept & cancelled_groups
+    batch = rows(lake_root, "training_batches", run_id)
+    assert {r["group_index"] for r in batch} == kept and len(batch) == 2 * 4
+
+
+def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
+        engine, kafka, tmp_path):
+    run_id = "reloads"
+    zeroed = AutoModelForCausalLM.from_pretrained(engine.tiny_dir)
+    with torch.no_grad():
+        zeroed.lm_head.weight.zero_()
+    zeroed.save_pretrained(tmp_path / "zeroed")
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}-1=", "label": str(i - 1)} for i in range(1, 5)])
+    steps = 200  # tens of seconds of generation: the announcement lands mid-run
+    worker = subprocess.Popen(
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
+                       "--rollout-batch-size", "2", "--num-steps", str(steps),
+                       "--max-new-tokens", "16", "--weight-version", "4"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_event(kafka, run_id, "sample_finished", worker)
+        producer = kafka.producer()
+        announcement = WeightsUpdated(run_id=run_id, step=0, path=str(tmp_path / "zeroed"),
+                                      version=5)
+        producer.send(kafka.topics.control, key=run_id.encode(),
+                      value=announcement.model_dump_json().encode()).get(timeout=30)
+        producer.close()
+        out, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err[-2000:]
+        assert "engines serve weight version 5" in err
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        reload(engine.url, engine.tiny_dir, 6)  # the tiny policy again for the next test
+
+    finished = [e for e in published(kafka, run_id) if e.type == "sample_finished"]
+    assert len(finished) == steps * 2 * 2
+    by_version = {v: [e for e in finished if e.weight_version == v] for v in (4, 5)}
+    assert by_version[4] and by_version[5] and len(finished) == len(by_version[4]) + len(
+        by_version[5])
+    uniform = -math.log(VOCAB)
+    for event in by_version[5]:
+        assert event.rollout_log_probs == pytest.approx([uniform] * len(event.response_tokens),
+                                                        abs=1e-4)
+    for event in by_version[4][:8]:  # generated by the tiny policy, before the reload
+        assert event.rollout_log_probs == pytest.approx(
+            torch_log_probs(engine.tiny_dir, event.prompt_tokens, event.response_tokens),
+            abs=2e-3)
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and all its live descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rpartition(")")[2].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        tree.add(current)
+        todo.extend(children.get(current, []))
+    return tree
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
+        engine, kafka, lake_root, tmp_path):
+    """Runs last: it kills the module's engine."""
+    run_id = "engine-dies"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    # Enough steps that the worker is still generating when the engine dies; the
+    # requests of later steps then find no engine at all.
+    steps, groups, samples = 30, 4, 4
+    worker = subprocess.Popen(
+        worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", str(samples),
+                       "--rollout-batch-size", str(groups), "--num-steps", str(steps),
+                       "--max-new-tokens", "480"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_event(kafka, run_id, "group_started", worker)
+    engine_processes = process_tree(engine.process.pid)
+    assert len(engine_processes) >= 4  # command, guard, API server, engine core
+    os.kill(engine.process.pid, signal.SIGKILL)
+
+    out, err = worker.communicate(timeout=600)
+    assert worker.returncode == 2, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("rolloutlake worker: ")
+    assert "got no answer from the engine" in err.strip().splitlines()[-1]
+    events = published(kafka, run_id)
+    aborted = [e for e in events if e.type == "sample_aborted"]
+    assert aborted and all(e.reason == "engine_error" for e in aborted)
+    assert len(aborted) + sum(e.type == "sample_finished" for e in events) == (
+        steps * groups * samples)
+
+    run_processor(kafka, lake_root, idle_s=3.0)
+    reasons = {g["reason"] for g in by_group(lake_root, run_id).values()}
+    assert "group_has_aborted" in reasons
+
+    deadline = time.monotonic() + 60
+    while (left := {p for p in engine_processes if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"engine processes outlived kill -9 of their parent: {sorted(left)}"
