@@ -8,9 +8,11 @@ The processor computes a step's metrics in memory as it seals; a run that outgro
 machine needs them (or a what-if variant of them) from the tables instead. The job reads
 `training_batches` for the batch keys and `groups` + `samples` for the filter-stage keys
 (CONTRACT section 5, docs/metrics.md), with the processor's window rule: a group counts
-for step s when it was decided before s closed, that is by the first seal at which s and
-a later step are both sealed (`decided_at` against `steps.sealed_at`; exact for one
-processor instance, whose decisions are in `decided_at` order). Two things the processor
+for step s when it was ordered before s closed, that is by the first seal at which s and
+a later step are both sealed (`groups.ordered_at` against `steps.sealed_at`, both on the
+event-time clock the batch stage orders decisions by, so it holds for any number of
+partitions and instances; two decisions with the same microsecond are the one blind
+spot, as the tables do not keep the order key's partition and offset). Two things the processor
 saw are not in the tables, so runs that use them differ: a `metadata.raw_reward` override
 of the reward, and whether a reward was an int (the tables keep float64, so an int run's
 `zero_std/count_1` reads `count_1.0` here). docs/spark.md has the details.
@@ -170,7 +172,7 @@ def filter_metrics(groups: DataFrame, samples: DataFrame, steps: DataFrame) -> S
                F.greatest(F.first("s.sealed_at"), F.min("t.sealed_at"))).alias("closed_at"))
     window = (
         groups.join(closes, "step")
-        .where(F.col("closed_at").isNull() | (F.col("decided_at") <= F.col("closed_at")))
+        .where(F.col("closed_at").isNull() | (F.col("ordered_at") <= F.col("closed_at")))
         .select("step", "group_index", "decision", "reason")
     )
     cancelled = F.col("reason").eqNullSafe(CANCELLED_AT_SEAL)

@@ -84,6 +84,10 @@ GROUPS = TableSpec(
             # Extensions: when the group's first event arrived, and its fragment count.
             _f("first_event_at", UTC_MICROS),
             _f("n_fragments", pa.int32()),
+            # The event time the decision is ordered by (`ingest.core.ordering`), on the
+            # clock of `steps.sealed_at`: a group counts in its step's metrics when it is
+            # ordered before the step closes.
+            _f("ordered_at", UTC_MICROS),
         ]
     ),
     key=("run_id", "group_index"),

@@ -349,6 +349,7 @@ def _group_row(header: DecisionHeader, decision: str, reason: str | None,
         "mean_reward": statistics.fmean(rewards) if rewards else None,
         "first_event_at": header.first_event_at,
         "n_fragments": fragments.num_rows,
+        "ordered_at": header.at_us,
     }
 
 

@@ -157,7 +157,7 @@ def test_metrics_job_counts_a_group_only_while_its_step_is_open(spark, tmp_path)
     def at(seconds: float) -> datetime:
         return t0 + timedelta(seconds=seconds)
 
-    # (group_index, step, decision, reason, decided_at s, rewards of its samples)
+    # (group_index, step, decision, reason, ordered_at s, rewards of its samples)
     decided = [
         (0, 0, "kept", None, 1, [1.0, 0.0]),
         (1, 0, "dropped", "zero_std_1.0", 2, [1.0, 1.0]),
@@ -173,7 +173,7 @@ def test_metrics_job_counts_a_group_only_while_its_step_is_open(spark, tmp_path)
     ]
     sealed_at = {0: 10, 1: 5, 2: 20}
     groups = [{"run_id": "w", "group_index": g, "step": step, "decision": decision,
-               "reason": reason, "decided_at": at(t)}
+               "reason": reason, "decided_at": at(0), "ordered_at": at(t)}
               for g, step, decision, reason, t, _ in decided]
     samples = [{"run_id": "w", "group_index": g, "rollout_id": r, "fragment_index": 0,
                 "status": "completed", "reward": reward, "response_length": 1,
