@@ -1,7 +1,9 @@
 """Shared fixtures: one embedded broker per engine and test session, fresh topics per test.
 
 Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache Kafka (its
-id carries `tansu` or `kafka`); a broker that does not start fails those tests.
+id carries `tansu` or `kafka`); a broker that does not start fails those tests. A module
+marked `one_broker` tests something else through the broker (the inference engine, Spark,
+an object store) and runs on the default engine only, to keep the suite's time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,22 @@ import pytest
 
 from ingest.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.kafka_io import KafkaSettings
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "one_broker(reason): runs on the default broker engine only")
+
+
+def pytest_collection_modifyitems(config, items):
+    kept, dropped = [], []
+    for item in items:
+        on_other_engine = getattr(item, "callspec", None) is not None and \
+            item.callspec.params.get("broker", ENGINES[0]) != ENGINES[0]
+        (dropped if on_other_engine and item.get_closest_marker("one_broker") else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", params=ENGINES)

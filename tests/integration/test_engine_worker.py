@@ -30,7 +30,8 @@ from schemas.control import WeightsUpdated
 from schemas.events import parse_event
 from tests.integration.pipeline import by_group, rows, run_processor
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ingest.cli"]

@@ -27,6 +27,8 @@ from schemas.events import event_group_key
 from schemas.tables import STEP_METRICS, TABLES
 from tests.integration.pipeline import ordered_kafka, run_processor
 
+pytestmark = pytest.mark.one_broker("the object store's commits; the broker path is tested on both engines elsewhere")
+
 BUCKET = "rolloutlake"
 SIM = SimulationConfig(
     run_id="s3run", steps=8, rollout_batch_size=3, n_samples=4, response_len_mean=24,

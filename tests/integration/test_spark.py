@@ -38,6 +38,8 @@ from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
 from tests.integration.metric_fixtures import contract_table
 from tests.integration.pipeline import run_processor
 
+pytestmark = pytest.mark.one_broker("Spark reads the Delta tables; the broker only makes them")
+
 # Compaction, aborts, missing rewards, truncation, duplicates and surplus all occur, so every
 # filter reason and batch key has something to count.
 RUNS = [
