@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
+from ingest.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
 from ingest.lake import lake_storage_options
 from schemas.tables import DATASET_ROWS
 
@@ -79,20 +80,6 @@ def format_of(filename: str | None) -> Format:
     return FORMATS[suffix]
 
 
-@dataclass(frozen=True)
-class DatasetOptions:
-    """Miles `--input-key`, `--label-key`, `--metadata-key`, `--tool-key`, slice, max length."""
-
-    input_key: str = "input"
-    label_key: str | None = None
-    metadata_key: str = "metadata"
-    tool_key: str | None = "tools"
-    start: int | None = None
-    end: int | None = None
-    max_prompt_len: int | None = None
-    tokenizer: str | None = None
-
-
 @dataclass
 class UploadReport:
     name: str
@@ -104,80 +91,6 @@ class UploadReport:
     length_unit: str
     bad_line_count: int
     bad_lines: list[dict[str, Any]] = field(default_factory=list)
-
-
-class _BadRow(ValueError):
-    pass
-
-
-def _dump(value: Any) -> str:
-    try:
-        return orjson.dumps(value).decode()
-    except TypeError as err:
-        raise _BadRow(f"value is not JSON-serializable: {err}") from None
-
-
-def _convert(obj: Any, opts: DatasetOptions) -> tuple[str, str | None, str, str]:
-    """One source row -> (prompt, label, metadata) as JSON, and the text to measure."""
-    if not isinstance(obj, dict):
-        raise _BadRow(f"row is a JSON {type(obj).__name__}, not an object")
-    if opts.input_key not in obj:
-        raise _BadRow(f"missing input key {opts.input_key!r}")
-    prompt = obj[opts.input_key]
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        text = "\n".join(m["content"] for m in prompt if isinstance(m.get("content"), str))
-    else:
-        raise _BadRow(f"input key {opts.input_key!r} must be a string or a list of chat messages")
-    label = None
-    if opts.label_key is not None:
-        if opts.label_key not in obj:
-            raise _BadRow(f"missing label key {opts.label_key!r}")
-        label = _dump(obj[opts.label_key])
-    metadata = obj.get(opts.metadata_key) or {}
-    if not isinstance(metadata, dict):
-        raise _BadRow(f"metadata key {opts.metadata_key!r} must be an object")
-    if opts.tool_key is not None and obj.get(opts.tool_key) is not None:
-        tools = obj[opts.tool_key]
-        if isinstance(tools, str):
-            try:
-                tools = orjson.loads(tools)
-            except orjson.JSONDecodeError:
-                raise _BadRow(f"tool key {opts.tool_key!r} is a string but not JSON") from None
-        if not isinstance(tools, list):
-            raise _BadRow(f"tool key {opts.tool_key!r} must be a list (or a JSON string of one)")
-        metadata = {**metadata, "tools": tools}
-    return _dump(prompt), label, _dump(metadata), text
-
-
-def _jsonl_objects(path: Path, line_limit: int) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded object or _BadRow) per non-blank line, reading at most
-    `line_limit` bytes of any line into memory."""
-    with path.open("rb") as f:
-        line_no = 0
-        while True:
-            line = f.readline(line_limit + 1)
-            if not line:
-                return
-            line_no += 1
-            if len(line) > line_limit and not line.endswith(b"\n"):
-                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
-                    pass  # drain the rest of the overlong line without keeping it
-                yield line_no, _BadRow(f"line is longer than {line_limit} bytes")
-                continue
-            stripped = line.strip()
-            if not stripped:
-                continue
-            try:
-                stripped.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield line_no, _BadRow(f"not valid UTF-8 (byte {err.start})")
-                continue
-            try:
-                yield line_no, orjson.loads(stripped)
-            except orjson.JSONDecodeError as err:
-                yield line_no, _BadRow(f"not valid JSON: {err}")
 
 
 def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
@@ -296,17 +209,17 @@ class DatasetStore:
 
     def _spool(self, upload: Path, fmt: Format, opts: DatasetOptions,
                spool: Path) -> tuple[int, list[dict[str, Any]], int]:
-        objects = _jsonl_objects(upload, self.line_limit) if fmt == "jsonl" else _parquet_objects(upload)
+        objects = jsonl_objects(upload, self.line_limit) if fmt == "jsonl" else _parquet_objects(upload)
         bad: list[dict[str, Any]] = []
         bad_count = valid = 0
         columns: list[list[Any]] = [[] for _ in _SPOOL_SCHEMA]
         with pq.ParquetWriter(spool, _SPOOL_SCHEMA) as writer:
             for line_no, obj in objects:
                 try:
-                    if isinstance(obj, _BadRow):
+                    if isinstance(obj, BadRow):
                         raise obj
-                    converted = _convert(obj, opts)
-                except _BadRow as err:
+                    converted = convert_row(obj, opts)
+                except BadRow as err:
                     bad_count += 1
                     if len(bad) < MAX_BAD_LINES_REPORTED:
                         bad.append({"line": line_no, "reason": str(err)})

@@ -17,7 +17,6 @@ from starlette.datastructures import UploadFile
 from gateway.datasets import (
     SLICE,
     DatasetError,
-    DatasetOptions,
     DatasetStore,
     UploadReport,
     format_of,
@@ -26,6 +25,7 @@ from gateway.datasets import (
 from gateway.deps import INT64_MAX, ConfigDep, DatasetNamePath, DatasetsDep, ReadGlobal, WriteGlobal
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
+from ingest.dataset_rows import DatasetOptions
 
 router = APIRouter(tags=["datasets"])
 

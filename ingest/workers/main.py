@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 
-from gateway.datasets import DatasetOptions
+from ingest.dataset_rows import DatasetOptions
 from ingest.filters import load_filter
 from ingest.kafka_io import KafkaSettings
 from ingest.publisher import RolloutPublisher

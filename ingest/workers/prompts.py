@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from gateway.datasets import DatasetOptions, _BadRow, _convert, _jsonl_objects
+from ingest.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
 from ingest.kafka_io import MAX_EVENT_BYTES
 from schemas.errors import ConfigError
 
@@ -30,12 +30,12 @@ class Prompt:
 def load_prompts(path: Path, options: DatasetOptions, tokenizer: Any) -> list[Prompt]:
     """Every row of the file, tokenized without special tokens (as the trainer sees them)."""
     rows: list[tuple[str, Any, dict[str, Any]]] = []
-    for line_no, obj in _jsonl_objects(path, MAX_EVENT_BYTES):
+    for line_no, obj in jsonl_objects(path, MAX_EVENT_BYTES):
         try:
-            if isinstance(obj, _BadRow):
+            if isinstance(obj, BadRow):
                 raise obj
-            prompt, label, metadata, _ = _convert(obj, options)
-        except _BadRow as err:
+            prompt, label, metadata, _ = convert_row(obj, options)
+        except BadRow as err:
             raise ConfigError(f"--prompt-data: {path} line {line_no}: {err}") from None
         text = orjson.loads(prompt)
         if not isinstance(text, str):
