@@ -27,6 +27,12 @@ class ProcessorConfig(BaseModel):
     max_poll_records: Annotated[int, Field(ge=1)] = 2000
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000
     """Consumer-group session timeout; joining takes about half of it on Tansu."""
+    broker_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """How long the processor retries a broker it lost before it exits non-zero."""
+    join_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """How long a stage may wait to join its consumer group before it exits non-zero."""
+    status_dir: str | None = None
+    """Folder where each stage keeps `<stage>.json` current: state, partitions, last commit."""
     default_group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of groups whose run has no `run_started` yet."""
     wandb: bool = False
