@@ -48,7 +48,7 @@ class Processor:
         self.config = config
         self.lake = Lake(config.lake)
         for table in ("events", "groups", "samples", "training_batches", "steps",
-                      "step_metrics", "dead_letters"):
+                      "step_metrics", "dead_letters", "runs", "batch_state"):
             self.lake.ensure(table)
         config.kafka.ensure_topics()
         self.stop_event = threading.Event()

@@ -36,7 +36,7 @@ class Stage(ConsumerRebalanceListener):
         # more CPU on both stages than it saves on the wire.
         self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        self.runs = RunRegistry(config.kafka, self.dead_letters, lake)
         group_id = f"{config.consumer_group}-{role}"
         self.health = StageHealth(role, group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
@@ -53,6 +53,7 @@ class Stage(ConsumerRebalanceListener):
         # An assignment may be empty (more members than partitions): it still ends the join.
         self.rebalanced = False
         self.consumed: dict[int, int] = {}  # partition -> last offset committed, for the lag
+        self.last_records: dict[int, Any] = {}  # partition -> the last record handled
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)
@@ -60,6 +61,8 @@ class Stage(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.newly_assigned -= set(revoked)
+        for tp in revoked:
+            self.last_records.pop(tp.partition, None)
         self._release({tp.partition for tp in revoked})
 
     def poll_once(self) -> int:
@@ -85,6 +88,7 @@ class Stage(ConsumerRebalanceListener):
             for record in records:
                 self._handle(record, batch)
                 batch.last_offset[tp.partition] = record.offset
+            self.last_records[tp.partition] = records[-1]
             count += len(records)
         self._commit(batch)
         if count:
@@ -104,25 +108,34 @@ class Stage(ConsumerRebalanceListener):
 
         A restarted in-memory broker starts every topic again at offset 0: resuming after
         the offset the lake recorded would skip the new messages as already processed.
-        The topic is the one the lake read when it still holds the last message the lake
-        stored of it (`_stored_message`), byte for byte.
+        The topic is the one the lake read when it still reaches `recorded` and holds the
+        last message the lake stored of it (`_stored_message`), byte for byte. (The end
+        offset alone cannot tell: Tansu under-reports it for multi-record batches.)
         """
         if recorded is None:
             return
-        end = self.consumer.end_offsets([tp])[tp]
-        if end <= recorded:
-            self._refuse(tp, f"it ends at offset {end} but the lake holds it up to offset "
-                             f"{recorded}")
+        if self.consumer.end_offsets([tp])[tp] == 0:
+            self._refuse(tp, f"it is empty but the lake holds it up to offset {recorded}")
         stored = self._stored_message(tp, recorded)
-        if stored is None:
-            return
-        offset, fingerprint = stored
-        record = self._read_record(tp, offset)
-        if record is None:
-            log.warning("%s[%d]@%d is gone (retention?): cannot check that the topic is the "
-                        "one the lake read", tp.topic, tp.partition, offset)
-        elif self._fingerprint(record) != fingerprint:
-            self._refuse(tp, f"its message at offset {offset} is not the one the lake stored")
+        probe = self.config.kafka.consumer(group_id=None, max_poll_records=1)
+        try:
+            probe.assign([tp])
+            first = self._read_from(probe, tp, recorded)
+            if first.offset < recorded:  # an offset past the end reads from the start
+                self._refuse(tp, f"it holds no message at offset {recorded}, which the lake "
+                                 "already stored")
+            if stored is None:
+                return
+            offset, fingerprint = stored
+            record = first if offset == recorded else self._read_from(probe, tp, offset)
+            if record.offset != offset:
+                log.warning("%s[%d]@%d is gone (retention?): cannot check that the topic is "
+                            "the one the lake read", tp.topic, tp.partition, offset)
+            elif self._fingerprint(record) != fingerprint:
+                self._refuse(tp, f"its message at offset {offset} is not the one the lake "
+                                 "stored")
+        finally:
+            probe.close()
 
     def _refuse(self, tp: TopicPartition, why: str) -> None:
         raise RolloutlakeError(
@@ -132,20 +145,16 @@ class Stage(ConsumerRebalanceListener):
             "it is"
         )
 
-    def _read_record(self, tp: TopicPartition, offset: int) -> Any | None:
-        """The message at `offset`, read by a consumer of its own (the group's is mid-join)."""
-        probe = self.config.kafka.consumer(group_id=None, max_poll_records=1)
-        try:
-            probe.assign([tp])
-            probe.seek(tp, offset)
-            deadline = time.monotonic() + PROBE_TIMEOUT_S
-            while time.monotonic() < deadline:
-                for record in probe.poll(timeout_ms=200).get(tp, []):
-                    return record if record.offset == offset else None
-            raise RolloutlakeError(f"{tp.topic}[{tp.partition}]@{offset} could not be read "
-                                   f"within {PROBE_TIMEOUT_S:g} s")
-        finally:
-            probe.close()
+    def _read_from(self, probe: Any, tp: TopicPartition, offset: int) -> Any:
+        """The first message at or after `offset` (or from the start when `offset` is past
+        the end), read by a consumer of its own: the group's is mid-join."""
+        probe.seek(tp, offset)
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for record in probe.poll(timeout_ms=200).get(tp, []):
+                return record
+        raise RolloutlakeError(f"{tp.topic}[{tp.partition}]@{offset} could not be read within "
+                               f"{PROBE_TIMEOUT_S:g} s")
 
     def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
         """Offset and `_fingerprint` of the last message at or before `up_to` the lake
