@@ -46,7 +46,7 @@ class StageHealth:
     state: State = "joining"
     started_at: float = field(default_factory=time.monotonic)
     unreachable_since: float | None = None
-    last_report: float = 0.0
+    last_report: float | None = None  # of the last "waiting to join" line
     partitions: list[int] | None = None  # None until the stage joined its group
     last_commit_at: float | None = None  # wall clock, for people
     lag: int | None = None
@@ -87,7 +87,8 @@ class StageHealth:
                 f"could not join consumer group {self.group_id} within {self.join_timeout_s:g} s "
                 "(--join-timeout-s): is another member of it stuck, or the broker overloaded?"
             )
-        if waited >= JOIN_REPORT_S and now - self.last_report >= REPORT_EVERY_S:
+        if waited >= JOIN_REPORT_S and (self.last_report is None
+                                        or now - self.last_report >= REPORT_EVERY_S):
             self.last_report = now
             log.info("%s stage: waiting to join consumer group %s (%.0f s so far)", self.role,
                      self.group_id, waited)

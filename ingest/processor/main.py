@@ -232,6 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-timeout-s", type=float, default=120.0, metavar="S",
                         help="exit non-zero when a stage could not join its consumer group "
                              "this long")
+    parser.add_argument("--snapshot-every", type=int, default=500, metavar="N",
+                        help="snapshot the batch stage's state every N decisions; a restart "
+                             "replays at most N")
     parser.add_argument("--status-dir", metavar="DIR",
                         help="keep DIR/groups.json and DIR/batches.json current: state "
                              "(joining, running, broker-unreachable, stopped, failed), "
@@ -254,6 +257,7 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
             broker_timeout_s=args.broker_timeout_s,
             join_timeout_s=args.join_timeout_s,
             status_dir=args.status_dir,
+            snapshot_every=args.snapshot_every,
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
