@@ -36,7 +36,8 @@ class Stage(ConsumerRebalanceListener):
         # more CPU on both stages than it saves on the wire.
         self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.runs = RunRegistry(config.kafka, self.dead_letters, lake)
+        # The group stage, which archives run_started events, keeps the runs table.
+        self.runs = RunRegistry(config.kafka, self.dead_letters, lake, save=role == "groups")
         group_id = f"{config.consumer_group}-{role}"
         self.health = StageHealth(role, group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
@@ -54,6 +55,9 @@ class Stage(ConsumerRebalanceListener):
         self.rebalanced = False
         self.consumed: dict[int, int] = {}  # partition -> last offset committed, for the lag
         self.last_records: dict[int, Any] = {}  # partition -> the last record handled
+        # Set while a poll's records are handled and committed, which can take longer than
+        # --until-idle on a large lake: that is work, not idleness.
+        self.working = False
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)
@@ -69,6 +73,7 @@ class Stage(ConsumerRebalanceListener):
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
         polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        self.working = bool(polled)
         now = time.monotonic()
         self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)
         if self.rebalanced:
@@ -93,6 +98,7 @@ class Stage(ConsumerRebalanceListener):
         self._commit(batch)
         if count:
             self.last_activity = time.monotonic()
+        self.working = False
         if batch.last_offset:
             self.health.last_commit_at = time.time()
             self.consumed.update(batch.last_offset)
@@ -180,7 +186,7 @@ class Stage(ConsumerRebalanceListener):
 
     @property
     def idle(self) -> bool:
-        return self.joined and not self.dead_letters.rows
+        return self.joined and not self.working and not self.dead_letters.rows
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""
