@@ -32,21 +32,21 @@ class RunRegistry:
     """Run configurations from the `runs` table and `rollout.runs`, read in full by every
     stage instance.
 
-    A later `run_started` replaces the config from the moment it is read. With a lake,
-    every `run_started` read is also written to the `runs` table (once, by its offset), and
-    the table is read first: run configs survive the topic's retention and a recreated
-    topic.
+    A later `run_started` replaces the config from the moment it is read. With a lake the
+    `runs` table is read first, so run configs survive the topic's retention and a
+    recreated topic; with `save` every `run_started` read is also written to it (once, by
+    its offset).
     """
 
     def __init__(self, kafka: KafkaSettings, dead_letters: DeadLetters | None = None,
-                 lake: Lake | None = None):
+                 lake: Lake | None = None, *, save: bool = False):
         self.topic = kafka.topics.runs
         self.configs: dict[str, RunConfig] = {}
         self.datasets: dict[str, str | None] = {}
         # run_started records read since the last `take_records`, for the events archive
         self.records: list[tuple[Any, RunStarted]] = []
         self._dead_letters = dead_letters
-        self._lake = lake
+        self._save_to = lake if save else None
         self._unsaved: list[dict[str, Any]] = []
         self._saved: dict[int, int | None] = {}  # partition -> recorded offset
         if lake is not None:
@@ -102,7 +102,7 @@ class RunRegistry:
         self.configs[event.run_id] = event.config
         self.datasets[event.run_id] = event.dataset
         self.records.append((record, event))
-        if self._lake is not None:
+        if self._save_to is not None:
             self._unsaved.append({
                 "run_id": event.run_id, "event_id": event.event_id,
                 "config": orjson.dumps(orjson.loads(record.value)["config"]).decode(),
@@ -116,14 +116,14 @@ class RunRegistry:
             return
         rows, self._unsaved = self._unsaved, []
         for partition in {r["partition"] for r in rows} - set(self._saved):
-            self._saved[partition] = self._lake.txn_version("runs",
-                                                            app_id("runs", self.topic, partition))
+            self._saved[partition] = self._save_to.txn_version(
+                "runs", app_id("runs", self.topic, partition))
         rows = [r for r in rows if self._saved[r["partition"]] is None
                 or r["offset"] > self._saved[r["partition"]]]
         if not rows:
             return
         marks = {r["partition"]: r["offset"] for r in rows}
-        self._lake.append("runs", pa.Table.from_pylist(rows, schema=RUNS.schema),
+        self._save_to.append("runs", pa.Table.from_pylist(rows, schema=RUNS.schema),
                           [TxnMark(app_id("runs", self.topic, p), o) for p, o in marks.items()])
         self._saved.update(marks)
 
