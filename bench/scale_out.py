@@ -2,12 +2,11 @@
 
     .venv/bin/python bench/scale_out.py [--steps 30] [--instances 1 2]
 
-One simulated run is published up front to topics with 4 events and 2 decisions
-partitions; then N instances (each a group stage plus its batch-stage child, as deployed)
-share the partitions and process it into a fresh lake. The time runs from the moment every
-instance has joined its consumer groups (their `--status-dir` files say `running`) to the
-last `steps` row. On a machine with fewer cores than processes the ratio shows the
-overhead of scaling out, not a speed-up.
+N instances (each a group stage plus its batch-stage child, as deployed) join one consumer
+group on fresh topics with 4 events and 2 decisions partitions; once every instance owns
+events partitions (their `--status-dir` files), one simulated run is published and the
+time runs from its first event to the last `steps` row. On a machine with fewer cores
+than processes the ratio shows the overhead of scaling out, not a speed-up.
 """
 
 from __future__ import annotations
@@ -43,16 +42,16 @@ def publish(kafka: KafkaSettings, sim: SimulationConfig) -> int:
     return count
 
 
-def running(status: Path) -> bool:
-    states = []
-    for stage in ("groups", "batches"):
-        path = status / f"{stage}.json"
-        states.append(path.exists() and json.loads(path.read_text())["state"] == "running")
-    return all(states)
+def events_partitions(status: Path) -> list[int]:
+    path = status / "groups.json"
+    return (json.loads(path.read_text())["partitions"] or []) if path.exists() else []
 
 
-def process(kafka: KafkaSettings, steps: int, instances: int, folder: Path) -> float:
-    """Seconds from all instances joined to the last sealed step."""
+def process(broker: str, sim: SimulationConfig, instances: int, folder: Path) -> tuple[int, float]:
+    """Events published, and seconds from the first one to the last sealed step."""
+    kafka = KafkaSettings(bootstrap_servers=broker, topic_prefix=f"bench{instances}.",
+                          event_partitions=4, decision_partitions=2)
+    kafka.ensure_topics()
     lake_root = str(folder / f"lake{instances}")
     statuses = [folder / f"status{instances}-{i}" for i in range(instances)]
     procs = [subprocess.Popen(
@@ -61,15 +60,18 @@ def process(kafka: KafkaSettings, steps: int, instances: int, folder: Path) -> f
          "--consumer-group", f"bench{instances}", "--status-dir", str(status)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for status in statuses]
     try:
-        while not all(running(s) for s in statuses):
-            time.sleep(0.05)
+        owned: list[list[int]] = []
+        while sorted(sum(owned, [])) != [0, 1, 2, 3] or not all(owned):
+            owned = [events_partitions(s) for s in statuses]
+            time.sleep(0.1)
         start = time.perf_counter()
+        events = publish(kafka, sim)
         lake = Lake(lake_root)
-        while lake.read("steps", columns=["step"]).num_rows < steps:
+        while lake.read("steps", columns=["step"]).num_rows < sim.steps:
             if any(p.poll() is not None for p in procs):
                 raise SystemExit("an instance exited early")
             time.sleep(0.05)
-        return time.perf_counter() - start
+        return events, time.perf_counter() - start
     finally:
         for p in procs:
             p.kill()
@@ -85,14 +87,10 @@ def main() -> None:
                            response_len_mean=64, prompt_len=16, seed=2, mode="open",
                            surplus_per_step=1)
     with EmbeddedBroker(free_port()) as broker, tempfile.TemporaryDirectory() as folder:
-        kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="bench.",
-                              event_partitions=4, decision_partitions=2)
-        kafka.ensure_topics()
-        events = publish(kafka, sim)
-        print(f"{events} events, {args.steps} steps")
         for n in args.instances:
-            seconds = process(kafka, args.steps, n, Path(folder))
-            print(f"{n} instance(s): {seconds:.1f} s, {events / seconds:,.0f} events/s")
+            events, seconds = process(broker.bootstrap_servers, sim, n, Path(folder))
+            print(f"{n} instance(s): {events} events, {sim.steps} steps in {seconds:.1f} s: "
+                  f"{events / seconds:,.0f} events/s")
 
 
 if __name__ == "__main__":
