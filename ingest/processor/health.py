@@ -34,6 +34,12 @@ def broker_reachable(client: Any) -> bool:
     return any(net.connected(broker.node_id) for broker in net.cluster.brokers())
 
 
+def topic_id(client: Any, topic: str) -> Any:
+    """The broker's id of `topic` (a UUID; None where the broker has none), from the
+    client's metadata: a recreated topic gets a new one."""
+    return client._client.cluster.topic_id(topic)
+
+
 @dataclass
 class StageHealth:
     """State of one stage, updated by its poll loop and read by the status writer."""

@@ -17,7 +17,7 @@ from kafka.errors import KafkaTimeoutError
 
 from ingest.lake import Lake
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.health import StageHealth, broker_reachable
+from ingest.processor.health import StageHealth, broker_reachable, topic_id
 from ingest.processor.io import DeadLetters, RunRegistry
 from schemas.errors import RolloutlakeError
 
@@ -48,6 +48,8 @@ class Stage(ConsumerRebalanceListener):
             max_poll_records=config.max_poll_records,
         )
         self.consumer.subscribe([topic], listener=self)
+        self.topic = topic
+        self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
         self.newly_assigned: set[TopicPartition] = set()
@@ -81,6 +83,7 @@ class Stage(ConsumerRebalanceListener):
             assigned, self.newly_assigned = self.newly_assigned, set()
             if assigned:
                 self._take_over(assigned)
+                self.topic_id = topic_id(self.consumer, self.topic)
             self.joined = True
             self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()
@@ -89,6 +92,13 @@ class Stage(ConsumerRebalanceListener):
         self.health.observe_join(self.joined, now)
         batch = self._new_batch()
         count = 0
+        # A broker that restarted empty under a running stage keeps its offsets valid when
+        # the new topic is long enough: only the topic id tells (where the broker has one).
+        current_id = topic_id(self.consumer, self.topic)
+        if self.topic_id is not None and current_id not in (None, self.topic_id) and polled:
+            tp = next(iter(polled))
+            self._refuse(tp, f"its topic id changed from {self.topic_id} to {current_id} "
+                             "while being read")
         for tp, records in polled.items():
             for record in records:
                 self._handle(record, batch)

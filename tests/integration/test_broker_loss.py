@@ -74,6 +74,39 @@ def test_a_broker_restarted_with_new_data_is_refused_not_skipped(own_broker, tmp
     assert rows(lake, "events", "after") == []
 
 
+def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp_path):
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
+    publish(kafka, "before", RUN, group("before", 0))
+    # The group stage alone: an empty decisions topic after the restart would stop a batch
+    # stage in any case (test_durability covers its own check).
+    process = process_cli(kafka, lake, "--stages", "groups")
+    deadline = time.monotonic() + 90
+    while len(rows(lake, "events", "before")) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.3)
+
+    # Frozen while the broker restarts and new events arrive, the processor wakes up to a
+    # topic that already holds more than it read (it must not see it empty first).
+    os.kill(process.pid, signal.SIGSTOP)
+    own_broker.stop()
+    own_broker.start()
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
+    publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
+    os.kill(process.pid, signal.SIGCONT)
+    try:
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    [line] = our_lines(stderr)
+    assert line.startswith("rolloutlake process: live.rollout.events[0]: the topic was "
+                           "recreated ("), line
+    assert "is empty" not in line, line
+    assert rows(lake, "events", "after") == []
+
+
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
     lake, status_dir = str(tmp_path / "lake"), tmp_path / "status"
     kafka = ordered_kafka(own_broker.bootstrap_servers, "k.")
