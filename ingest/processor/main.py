@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 DRAIN_IDLE_S = 1.0  # a draining stage stops after this long without new messages
 DRAIN_LIMIT_S = 30.0
 STATUS_EVERY_S = 1.0
-# In split mode the group stage (the parent) reports a lost broker; the batch stage gives
-# up on its own only when the parent could not.
-CHILD_BROKER_GRACE_S = 15.0
+# In split mode the group stage (the parent) reports a lost broker or a join that does not
+# finish; the batch stage gives up on its own only when the parent could not.
+CHILD_GRACE_S = 15.0
 CLOSE_TIMEOUT_S = 5.0
 
 
@@ -159,7 +159,8 @@ def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
     try:
         processor = Processor(ProcessorConfig.model_validate(
             {**config, "stages": "batches", "until_idle_s": None,
-             "broker_timeout_s": config["broker_timeout_s"] + CHILD_BROKER_GRACE_S}))
+             "broker_timeout_s": config["broker_timeout_s"] + CHILD_GRACE_S,
+             "join_timeout_s": config["join_timeout_s"] + CHILD_GRACE_S}))
         for stage in processor.stages:  # the parent says it to the user
             stage.health.report_level = logging.INFO
         signal.signal(signal.SIGTERM, processor.drain)

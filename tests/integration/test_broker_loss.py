@@ -144,3 +144,15 @@ def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp
 def _status(folder: Path, stage: str) -> dict:
     path = folder / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {"state": None}
+
+
+def test_a_join_that_does_not_finish_is_reported_and_ends_the_processor(broker, tmp_path):
+    # Joining takes Tansu about half the session timeout (3 s): longer than allowed here.
+    kafka = ordered_kafka(broker.bootstrap_servers, f"join{os.getpid()}.")
+    process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    assert our_lines(stderr) == [
+        "rolloutlake process: could not join consumer group rolloutlake-groups within 0.5 s "
+        "(--join-timeout-s): is another member of it stuck, or the broker overloaded?"], stderr
