@@ -39,6 +39,7 @@ STATUS_EVERY_S = 1.0
 # finish; the batch stage gives up on its own only when the parent could not.
 CHILD_GRACE_S = 15.0
 CLOSE_TIMEOUT_S = 5.0
+CHILD_REPORTED = 2  # exit code of a batch-stage child that printed its one-line error itself
 
 
 class Processor:
@@ -146,16 +147,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-CHILD_REPORTED = 2  # the batch-stage child printed its one-line error itself
-
-
 def _batch_process(config: dict[str, Any], parent_pid: int) -> None:
     """Entry point of the batch-stage child process (started with `spawn`)."""
     _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    logging.getLogger("kafka").setLevel(config.pop("kafka_log_level"))
+    logging.getLogger("kafka").setLevel(config.pop("kafka_log_level"))  # as in the parent
     try:
         processor = Processor(ProcessorConfig.model_validate(
             {**config, "stages": "batches", "until_idle_s": None,
