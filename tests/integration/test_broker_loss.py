@@ -148,11 +148,14 @@ def _status(folder: Path, stage: str) -> dict:
 
 def test_a_join_that_does_not_finish_is_reported_and_ends_the_processor(broker, tmp_path):
     # Joining takes Tansu about half the session timeout (3 s): longer than allowed here.
+    # A consumer group of its own: the member given up mid-join stays in the group until
+    # the broker's rebalance timeout and would hold up the next one to join it.
     kafka = ordered_kafka(broker.bootstrap_servers, f"join{os.getpid()}.")
-    process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5")
+    process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5",
+                          "--consumer-group", f"join{os.getpid()}")
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 2, stderr
     assert "Traceback" not in stderr, stderr
     assert our_lines(stderr) == [
-        "rolloutlake process: could not join consumer group rolloutlake-groups within 0.5 s "
+        f"rolloutlake process: could not join consumer group join{os.getpid()}-groups within 0.5 s "
         "(--join-timeout-s): is another member of it stuck, or the broker overloaded?"], stderr
