@@ -30,7 +30,12 @@ from ingest.core.decided import DecidedGroup, DecisionHeader, fragments_table
 from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey
 from ingest.lake import Lake, TxnMark
 from ingest.processor.archive import archived_group
-from ingest.processor.batch_snapshot import BatchSnapshots, Snapshot, decision_fingerprint
+from ingest.processor.batch_snapshot import (
+    BatchSnapshots,
+    BatchState,
+    Snapshot,
+    decision_fingerprint,
+)
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import (
     decision_header,
@@ -127,8 +132,9 @@ class BatchStage(Stage):
         self.check_continuity(tp, recorded)
         start = 0
         if snapshot is not None:
-            self.batchers.update(snapshot.batchers)
-            self.run_partition.update(dict.fromkeys(snapshot.batchers, tp.partition))
+            self.batchers.update(snapshot.state.batchers)
+            self.run_partition.update(dict.fromkeys(snapshot.state.batchers, tp.partition))
+            self.merges[tp.partition] = snapshot.state.merge
             start = snapshot.offset + 1
         self.consumer.seek(tp, start)
         self.resumed_from[tp.partition] = start
@@ -145,8 +151,9 @@ class BatchStage(Stage):
 
     def _snapshot(self, partitions: Iterable[int]) -> None:
         self.snapshots.save({
-            p: (self.last_records[p],
-                {r: b for r, b in self.batchers.items() if self.run_partition.get(r) == p})
+            p: (self.last_records[p], BatchState(
+                {r: b for r, b in self.batchers.items() if self.run_partition.get(r) == p},
+                self.merges[p]))
             for p in partitions if p in self.last_records
         })
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import time
+import uuid
+
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -10,6 +14,7 @@ import pytest
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
+from ingest.processor.config import ProcessorConfig
 from ingest.processor.io import RunRegistry
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
@@ -40,8 +45,8 @@ def _publish_groups(kafka: KafkaSettings, groups: list, *, with_run: bool) -> No
                              orjson.dumps(body))
 
 
-def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
-    table = lake.read(name, columns=columns, filter=pc.field("run_id") == SIM.run_id)
+def _table(lake: Lake, name: str, columns: list[str], run_id: str = SIM.run_id) -> list[tuple]:
+    table = lake.read(name, columns=columns, filter=pc.field("run_id") == run_id)
     return sorted(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
 
 
@@ -144,3 +149,67 @@ def test_run_configs_outlive_the_runs_topic(broker, tmp_path):
     decided = {r["group_index"]: r["decision"] for r in rows(lake_root, "groups", "r")}
     assert decided == {0: "kept", 1: "kept"}
     assert [r["error"] for r in rows(lake_root, "dead_letters")] == []
+
+
+HELD = SimulationConfig(
+    run_id="held", steps=6, rollout_batch_size=3, n_samples=2, response_len_mean=8,
+    prompt_len=4, compaction_rate=0.1, duplicate_rate=0.05, abort_rate=0.05,
+    missing_reward_rate=0.05, seed=5, mode="open", surplus_per_step=2,
+)
+
+
+def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_run(
+        broker, tmp_path):
+    """Four events partitions: a snapshot falls between a decision and the watermarks that
+    release it. The restart must still apply it in its place (the ordering state is in the
+    snapshot), or steps and surplus differ from an uninterrupted run."""
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
+                          topic_prefix=f"held{uuid.uuid4().hex[:8]}.", event_partitions=4,
+                          decision_partitions=1)
+    kafka.ensure_topics()
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(HELD.run_id, HELD.run_config(), event_id="run")
+        pub.flush()
+        for group in open_loop_groups(HELD):
+            for body in group.events:
+                pub.send_raw(pub.topics.events, event_group_key(HELD.run_id, body["group_index"]),
+                             orjson.dumps(body))
+    decided = str(tmp_path / "decided")
+    run_processor(kafka, decided, idle_s=1.5, stages="groups", consumer_group="held-groups")
+    reference, lake_root = str(tmp_path / "reference"), str(tmp_path / "lake")
+    shutil.copytree(decided, reference)
+    shutil.copytree(decided, lake_root)
+    run_processor(kafka, reference, idle_s=1.5, stages="batches", consumer_group="held-ref")
+
+    # A batch stage that stops, as if killed, right after a snapshot with decisions held.
+    config = ProcessorConfig(kafka=kafka, lake=lake_root, consumer_group="held-cut",
+                             snapshot_every=5, max_poll_records=5)
+    stage = BatchStage(config, Lake(lake_root))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        saved = dict(stage.snapshots.saved)
+        stage.poll_once()
+        if stage.snapshots.saved != saved and len(stage.merges[0]):
+            break
+    else:
+        pytest.fail("no snapshot was taken while decisions were held")
+    cut = stage.snapshots.saved[0]
+    stage.close()
+
+    second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
+                           consumer_group="held-cut")
+    assert _batch_stage(second).resumed_from == {0: cut + 1}
+    ref, lake = Lake(reference), Lake(lake_root)
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(_table(ref, "steps", steps, HELD.run_id)) == HELD.steps
+    assert _table(lake, "steps", steps, HELD.run_id) == _table(ref, "steps", steps, HELD.run_id)
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    assert any(r[1] == "surplus" for r in _table(ref, "groups", decisions, HELD.run_id))
+    assert (_table(lake, "groups", decisions, HELD.run_id)
+            == _table(ref, "groups", decisions, HELD.run_id))
+    fragments = ["group_index", "rollout_id", "fragment_index", "decision"]
+    assert (_table(lake, "samples", fragments, HELD.run_id)
+            == _table(ref, "samples", fragments, HELD.run_id))
+    metrics = ["step", "key", "value"]
+    assert (_table(lake, "step_metrics", metrics, HELD.run_id)
+            == _table(ref, "step_metrics", metrics, HELD.run_id))
