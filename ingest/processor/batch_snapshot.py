@@ -2,21 +2,20 @@
 
 Without them a restarted batch stage replays its `rollout.decisions` partitions from
 offset 0: restart time grows with the run's whole history, and a decision lost to
-retention would change the batches. So every `snapshot_every` decisions (and at a clean
+retention would change the batches. So every `snapshot_every` records (and at a clean
 stop) the stage writes, per partition, the `RunBatcher`s of the runs it owns and the
 partition's `DecisionMerge` (the notices and decisions read but held until every events
-partition's watermark passes them, the watermarks, what was released), with the Delta txn `batch_state@<topic>:<partition>` = the last decision offset they cover. It
-writes them after the tables, so every table has recorded at least that offset: a restart
-loads the latest snapshot, seeks to the offset after it, and the usual per-table offset
-filter drops the rows it already holds.
+partition's watermark passes them, the watermarks, what was released), with the Delta
+txn `batch_state@<topic>:<partition>` = the last offset they cover. It writes them after
+the tables, so every table has recorded at least that offset: a restart loads the latest
+snapshot, seeks to the offset after it, and the usual per-table offset filter drops the
+rows it already holds. Both parts are needed: items held at the snapshot were read before
+its offset and come no more, and the watermarks they wait for may have come before it.
 
-Both are needed: items held at the snapshot were read before its offset and come no more,
-and the watermarks they wait for may have been published before it too.
-
-`RunBatcher` and `DecisionMerge` are plain Python data (dicts, sets, dataclasses, Arrow tables), stored with
-pickle: the lake is the processor's own storage and is trusted like its code. A snapshot
-that no longer loads (the classes changed shape in an upgrade) is ignored with a warning,
-and the stage replays from offset 0 as before.
+`RunBatcher` and `DecisionMerge` are plain Python data (dicts, sets, dataclasses, Arrow
+tables, bytes), stored with pickle: the lake is the processor's own storage and is trusted
+like its code. A snapshot that no longer loads (the classes changed shape in an upgrade)
+is ignored with a warning, and the stage replays from offset 0 as before.
 """
 
 from __future__ import annotations
