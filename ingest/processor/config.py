@@ -29,8 +29,8 @@ class ProcessorConfig(BaseModel):
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000
     """Consumer-group session timeout; joining takes about half of it on Tansu."""
     snapshot_every: Annotated[int, Field(ge=1)] = 500
-    """Decisions between two snapshots of the batch stage's state (per partition): a
-    restart replays at most this many."""
+    """`rollout.decisions` records (decisions, notices, watermarks) between two snapshots
+    of the batch stage's state (per partition): a restart replays at most this many."""
     broker_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """How long the processor retries a broker it lost before it exits non-zero."""
     join_timeout_s: Annotated[float, Field(gt=0)] = 120.0

@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit non-zero when a stage could not join its consumer group "
                              "this long")
     parser.add_argument("--snapshot-every", type=int, default=500, metavar="N",
-                        help="snapshot the batch stage's state every N decisions; a restart "
+                        help="snapshot the batch stage's state every N decisions-topic records; a restart "
                              "replays at most N")
     parser.add_argument("--status-dir", metavar="DIR",
                         help="keep DIR/groups.json and DIR/batches.json current: state "
