@@ -235,23 +235,28 @@ class KafkaSettings(BaseModel):
                     f"(security_protocol is {self.security_protocol}; try SSL or SASL_SSL)")
         return None
 
-    def ensure_topics(self) -> Topics:
-        """Create the contract topics with the configured partition counts if missing."""
+    def topic_plan(self) -> list[NewTopic]:
+        """The contract topics as rolloutlake creates them.
+
+        `rollout.runs` is compacted (keyed by run): a run's latest `run_started` stays
+        however long the run lasts, whatever the retention of the other topics.
+        """
         topics = self.topics
-        wanted = {
-            topics.runs: 1,
-            topics.events: self.event_partitions,
-            topics.decisions: self.decision_partitions,
-            topics.control: 1,
-            topics.deadletter: 1,
-        }
+        compacted = {"cleanup.policy": "compact"}
+        return [
+            NewTopic(topics.runs, 1, 1, topic_configs=compacted),
+            NewTopic(topics.events, self.event_partitions, 1),
+            NewTopic(topics.decisions, self.decision_partitions, 1),
+            NewTopic(topics.control, 1, 1),
+            NewTopic(topics.deadletter, 1, 1),
+        ]
+
+    def ensure_topics(self) -> Topics:
+        """Create the contract topics (`topic_plan`) that are missing."""
         admin = self.admin()
         try:
             existing = set(admin.list_topics())
-            missing = [
-                NewTopic(name, partitions, 1) for name, partitions in wanted.items()
-                if name not in existing
-            ]
+            missing = [topic for topic in self.topic_plan() if topic.name not in existing]
             for topic in missing:
                 try:
                     admin.create_topics([topic])
@@ -263,7 +268,7 @@ class KafkaSettings(BaseModel):
             ) from None
         finally:
             admin.close()
-        return topics
+        return self.topics
 
 
 # What an SSL handshake with a plaintext listener fails with (OpenSSL 3 wording varies).

@@ -364,3 +364,48 @@ PROMPT_CURSOR_WAL = TableSpec(
     partition_by=("run_id",),
 )
 TABLES[PROMPT_CURSOR_WAL.name] = PROMPT_CURSOR_WAL
+
+# Appended so run configs outlive Kafka retention: one row per `run_started` the processor
+# read, in `rollout.runs` order (a later one replaces the run's config). Its Delta txn
+# (app id `runs@<topic>:<partition>`, version = offset) makes each row written once.
+RUNS = TableSpec(
+    "runs",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("event_id", pa.string(), False),
+            _f("config", pa.string(), False),  # the run_started `config` object, as JSON
+            _f("dataset", pa.string()),
+            _f("topic", pa.string(), False),
+            _f("partition", pa.int32(), False),
+            _f("offset", pa.int64(), False),
+            _f("ingested_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("topic", "partition", "offset"),
+)
+TABLES[RUNS.name] = RUNS
+
+# Appended for the batch stage's restarts: a snapshot of its state for one partition of
+# `rollout.decisions` as of `offset` (the last decision it covers), committed with the
+# txn `batch_state@<topic>:<partition>` = offset. A restart resumes from the latest
+# snapshot plus the decisions after it instead of replaying the topic from offset 0.
+BATCH_STATE = TableSpec(
+    "batch_state",
+    pa.schema(
+        [
+            _f("topic", pa.string(), False),
+            _f("partition", pa.int32(), False),
+            _f("offset", pa.int64(), False),
+            # sha256 of the decision at `offset` (key, headers, value): recognises the topic
+            _f("fingerprint", pa.binary(), False),
+            _f("format", pa.string(), False),  # how `state` is encoded
+            _f("state", pa.binary(), False),
+            _f("runs", pa.list_(pa.string()), False),
+            _f("written_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("topic", "partition", "offset"),
+    blob_columns=("state",),
+)
+TABLES[BATCH_STATE.name] = BATCH_STATE

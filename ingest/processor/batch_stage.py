@@ -4,8 +4,9 @@ The stage is a deterministic state machine per run (`RunBatcher`) fed by the run
 decisions in event-time order: a `DecisionMerge` per decisions partition holds each
 decision until every events partition's watermark has passed it, then applies it in
 `OrderKey` order, so which group fills which step does not depend on how the group
-stages' output interleaved. On every (re)assignment the stage replays its partitions from
-the beginning, and each table keeps only rows whose source offset is newer than the app
+stages' output interleaved. On every (re)assignment the stage restores its partitions'
+latest snapshot (`batch_snapshot.py`) and replays the records after it (all of them
+without one), and each table keeps only rows whose source offset is newer than the app
 transaction that table recorded for the partition; a row's source is the record whose
 arrival released it (decisions, notices and watermarks alike), so sources grow with
 offsets. After a crash at any moment the tables end up exactly as after an uninterrupted
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,12 @@ from ingest.core.decided import DecidedGroup, DecisionHeader, fragments_table
 from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey
 from ingest.lake import Lake, TxnMark
 from ingest.processor.archive import archived_group
+from ingest.processor.batch_snapshot import (
+    BatchSnapshots,
+    BatchState,
+    Snapshot,
+    decision_fingerprint,
+)
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import (
     decision_header,
@@ -77,6 +85,9 @@ class BatchStage(Stage):
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
         self.merges: dict[int, DecisionMerge] = {}  # decisions partition -> held items
         self._applied = False  # this poll took over or applied something, not only watermarks
+        self.snapshots = BatchSnapshots(lake, self.topics.decisions, config.snapshot_every)
+        self.restored: dict[int, Snapshot | None] = {}
+        self.resumed_from: dict[int, int] = {}  # partition -> offset taken over at
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -103,11 +114,48 @@ class BatchStage(Stage):
                 self.recorded[(table, tp.partition)] = self.lake.txn_version(
                     table, app_id(table, tp.topic, tp.partition)
                 )
-            self.check_continuity(tp, self._recorded("groups", tp.partition))
-            # Replay from the start: the state machine rebuilds exactly, tables skip rows
-            # they already hold.
-            self.consumer.seek(tp, 0)
-            self.replaying[tp.partition] = end.get(tp, 0)
+            start = self._restore(tp)
+            if start < end.get(tp, 0):
+                self.replaying[tp.partition] = end[tp]
+
+    def _restore(self, tp: TopicPartition) -> int:
+        """Load the partition's latest snapshot, check the topic, seek; returns the position.
+
+        From the snapshot's offset on (or from offset 0 without one) the state machine
+        rebuilds exactly, and the tables skip rows they already hold.
+        """
+        snapshot = self.snapshots.latest(tp.partition)
+        self.restored[tp.partition] = snapshot
+        recorded = self._recorded("groups", tp.partition)
+        if snapshot is not None and (recorded is None or recorded < snapshot.offset):
+            recorded = snapshot.offset
+        self.check_continuity(tp, recorded)
+        start = 0
+        if snapshot is not None:
+            self.batchers.update(snapshot.state.batchers)
+            self.run_partition.update(dict.fromkeys(snapshot.state.batchers, tp.partition))
+            self.merges[tp.partition] = snapshot.state.merge
+            start = snapshot.offset + 1
+        self.consumer.seek(tp, start)
+        self.resumed_from[tp.partition] = start
+        log.info("%s[%d]: resuming at offset %d (%s)", tp.topic, tp.partition, start,
+                 "after its snapshot" if snapshot else "no snapshot: replaying")
+        return start
+
+    def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
+        snapshot = self.restored.get(tp.partition)
+        return None if snapshot is None else (snapshot.offset, snapshot.fingerprint)
+
+    def _fingerprint(self, record: Any) -> bytes:
+        return decision_fingerprint(record)
+
+    def _snapshot(self, partitions: Iterable[int]) -> None:
+        self.snapshots.save({
+            p: (self.last_records[p], BatchState(
+                {r: b for r, b in self.batchers.items() if self.run_partition.get(r) == p},
+                self.merges[p]))
+            for p in partitions if p in self.last_records
+        })
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -215,6 +263,9 @@ class BatchStage(Stage):
 
     def flush(self) -> None:
         """Close every sealed step (shutdown), so the last steps get their metrics too."""
+        # Snapshot first: a restart resumes with the steps open, as an uninterrupted run
+        # has them.
+        self._snapshot(list(self.last_records))
         pending = _Pending()
         for run_id, batcher in self.batchers.items():
             self._collect(run_id, self.run_partition[run_id], -1, batcher.flush(), pending)
@@ -243,6 +294,7 @@ class BatchStage(Stage):
         for partition, end in list(self.replaying.items()):
             if marks.get(partition, -1) >= end - 1 or end == 0:
                 del self.replaying[partition]
+        self._snapshot([p for p, o in marks.items() if self.snapshots.due(p, o)])
 
     def _recorded(self, table: str, partition: int) -> int | None:
         return self.recorded.get((table, partition))

@@ -28,6 +28,15 @@ class ProcessorConfig(BaseModel):
     max_poll_records: Annotated[int, Field(ge=1)] = 2000
     session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000
     """Consumer-group session timeout; joining takes about half of it on Tansu."""
+    snapshot_every: Annotated[int, Field(ge=1)] = 500
+    """`rollout.decisions` records (decisions, notices, watermarks) between two snapshots
+    of the batch stage's state (per partition): a restart replays at most this many."""
+    broker_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """How long the processor retries a broker it lost before it exits non-zero."""
+    join_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """How long a stage may wait to join its consumer group before it exits non-zero."""
+    status_dir: str | None = None
+    """Folder where each stage keeps `<stage>.json` current: state, partitions, last commit."""
     default_group_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of groups whose run has no `run_started` yet."""
     watermark_lag_s: Annotated[float, Field(ge=0)] = 1.0

@@ -24,6 +24,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 from kafka import TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from ingest.core.assembly import GroupBuilder
 from ingest.core.decided import FRAGMENTS, DecidedGroup, fragments_table, header_for
@@ -56,6 +57,7 @@ UNSTORABLE = "unstorable"  # decision reason of a group whose decision could not
 
 # An idle partition's clock is advanced at most this often (each advance is a notice).
 IDLE_ADVANCE_INTERVAL_S = 0.25
+END_OFFSETS_TIMEOUT_MS = 1000  # the idle check's end-offset request: a poll waits this long at most
 
 
 @dataclass
@@ -469,18 +471,35 @@ class GroupStage(Stage):
         """Partitions with nothing left to read: their clock follows the wall clock, less
         `watermark_lag_s` (room for events still on their way), so they hold nothing up."""
         now = time.time()
-        for partition, clock in self.clocks.items():
+        caught_up: dict[TopicPartition, int] = {}
+        for partition in self.clocks:
             if partition in batch.last_offset:
                 continue
             if now - self._idle_advanced_at.get(partition, 0.0) < IDLE_ADVANCE_INTERVAL_S:
                 continue
             tp = TopicPartition(self.topics.events, partition)
             highwater = self.consumer.highwater(tp)
-            if highwater is None or self.consumer.position(tp) < highwater:
+            position = self.consumer.position(tp)
+            if highwater is None or position < highwater:
                 continue  # a backlog is still to be read: its own times count
-            self._idle_advanced_at[partition] = now
-            if clock.advance(micros(now - self.config.watermark_lag_s)):
-                self._expire(partition, batch)
+            caught_up[tp] = position
+        if not caught_up:
+            return
+        # `highwater` is that of the partition's last fetch response, which can be seconds
+        # old: kafka-python fetches a partition again only once the records of its last
+        # fetch (of every partition, from Apache Kafka) are consumed. Advancing then would
+        # give records already in the broker a later time than their own, so event times
+        # would depend on consumption speed. The broker's end offset says what is there.
+        try:
+            end = self.consumer.end_offsets(list(caught_up), timeout_ms=END_OFFSETS_TIMEOUT_MS)
+        except KafkaTimeoutError:
+            return  # no answer (broker lost?): nothing counts as idle
+        for tp, position in caught_up.items():
+            if position < end.get(tp, position + 1):
+                continue
+            self._idle_advanced_at[tp.partition] = now
+            if self.clocks[tp.partition].advance(micros(now - self.config.watermark_lag_s)):
+                self._expire(tp.partition, batch)
 
     # -- commit and publish ----------------------------------------------------------------
 

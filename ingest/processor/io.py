@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pyarrow as pa
 from kafka import TopicPartition
 
@@ -18,7 +19,7 @@ from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake, TxnMark
 from schemas.errors import EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
-from schemas.tables import DEAD_LETTERS, utc_micros
+from schemas.tables import DEAD_LETTERS, RUNS, utc_micros
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +29,42 @@ def app_id(table: str, topic: str, partition: int) -> str:
 
 
 class RunRegistry:
-    """Run configurations from `rollout.runs`, read in full by every stage instance.
+    """Run configurations from the `runs` table and `rollout.runs`, read in full by every
+    stage instance.
 
-    A later `run_started` replaces the config from the moment it is read.
+    A later `run_started` replaces the config from the moment it is read. With a lake the
+    `runs` table is read first, so run configs survive the topic's retention and a
+    recreated topic; with `save` every `run_started` read is also written to it (once, by
+    its offset).
     """
 
-    def __init__(self, kafka: KafkaSettings, dead_letters: DeadLetters | None = None):
+    def __init__(self, kafka: KafkaSettings, dead_letters: DeadLetters | None = None,
+                 lake: Lake | None = None, *, save: bool = False):
         self.topic = kafka.topics.runs
         self.configs: dict[str, RunConfig] = {}
         self.datasets: dict[str, str | None] = {}
         # run_started records read since the last `take_records`, for the events archive
         self.records: list[tuple[Any, RunStarted]] = []
         self._dead_letters = dead_letters
+        self._save_to = lake if save else None
+        self._unsaved: list[dict[str, Any]] = []
+        self._saved: dict[int, int | None] = {}  # partition -> recorded offset
+        if lake is not None:
+            self._load(lake)
         self._consumer = kafka.consumer(group_id=None)
         partitions = self._consumer.partitions_for_topic(self.topic) or {0}
         self._tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(self._tps)
         self._consumer.seek_to_beginning(*self._tps)
+
+    def _load(self, lake: Lake) -> None:
+        saved = lake.read("runs", columns=["run_id", "config", "dataset", "ingested_at",
+                                           "offset"])
+        for run_id, config, dataset, _, _ in sorted(zip(
+            *(saved.column(c).to_pylist() for c in saved.column_names), strict=True
+        ), key=lambda row: (row[3], row[4])):
+            self.configs[run_id] = RunConfig.model_validate_json(config)
+            self.datasets[run_id] = dataset
 
     def refresh(self, timeout_ms: int = 0) -> bool:
         """Read whatever arrived; True when anything new was read."""
@@ -52,6 +72,7 @@ class RunRegistry:
         while True:
             batch = self._consumer.poll(timeout_ms=timeout_ms, max_records=1000)
             if not batch:
+                self._save()
                 return changed
             timeout_ms = 0
             for records in batch.values():
@@ -81,6 +102,30 @@ class RunRegistry:
         self.configs[event.run_id] = event.config
         self.datasets[event.run_id] = event.dataset
         self.records.append((record, event))
+        if self._save_to is not None:
+            self._unsaved.append({
+                "run_id": event.run_id, "event_id": event.event_id,
+                "config": orjson.dumps(orjson.loads(record.value)["config"]).decode(),
+                "dataset": event.dataset, "topic": record.topic, "partition": record.partition,
+                "offset": record.offset, "ingested_at": utc_micros(time.time()),
+            })
+
+    def _save(self) -> None:
+        """Write the run_started records not in the `runs` table yet (one commit)."""
+        if not self._unsaved:
+            return
+        rows, self._unsaved = self._unsaved, []
+        for partition in {r["partition"] for r in rows} - set(self._saved):
+            self._saved[partition] = self._save_to.txn_version(
+                "runs", app_id("runs", self.topic, partition))
+        rows = [r for r in rows if self._saved[r["partition"]] is None
+                or r["offset"] > self._saved[r["partition"]]]
+        if not rows:
+            return
+        marks = {r["partition"]: r["offset"] for r in rows}
+        self._save_to.append("runs", pa.Table.from_pylist(rows, schema=RUNS.schema),
+                          [TxnMark(app_id("runs", self.topic, p), o) for p, o in marks.items()])
+        self._saved.update(marks)
 
     def take_records(self) -> list[tuple[Any, RunStarted]]:
         records, self.records = self.records, []

@@ -25,6 +25,7 @@ from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
+from ingest.processor.health import write_status
 from ingest.wandb_sync import follow_all_runs
 from schemas.errors import ConfigError, RolloutlakeError
 
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 
 DRAIN_IDLE_S = 1.0  # a draining stage stops after this long without new messages
 DRAIN_LIMIT_S = 30.0
+STATUS_EVERY_S = 1.0
+# In split mode the group stage (the parent) reports a lost broker or a join that does not
+# finish; the batch stage gives up on its own only when the parent could not.
+CHILD_GRACE_S = 15.0
+CLOSE_TIMEOUT_S = 5.0
+CHILD_REPORTED = 2  # exit code of a batch-stage child that printed its one-line error itself
 
 
 class Processor:
@@ -41,7 +48,7 @@ class Processor:
         self.config = config
         self.lake = Lake(config.lake)
         for table in ("events", "groups", "samples", "training_batches", "steps",
-                      "step_metrics", "dead_letters"):
+                      "step_metrics", "dead_letters", "runs", "batch_state"):
             self.lake.ensure(table)
         config.kafka.ensure_topics()
         self.stop_event = threading.Event()
@@ -59,7 +66,9 @@ class Processor:
             while not self.stop_event.is_set():
                 stage.poll_once()
         except BaseException as err:  # a stage that dies stops the processor
-            log.exception("%s failed", type(stage).__name__)
+            if not isinstance(err, RolloutlakeError):  # ours are one line, printed by the CLI
+                log.exception("%s failed", type(stage).__name__)
+            stage.health.state, stage.health.error = "failed", str(err)
             self.errors.append(err)
             self.stop_event.set()
 
@@ -77,8 +86,12 @@ class Processor:
         for thread in threads:
             thread.start()
         idle_s = self.config.until_idle_s
+        status_at = 0.0
         while not self.stop_event.is_set():
             time.sleep(0.1)
+            if time.monotonic() - status_at >= STATUS_EVERY_S:
+                status_at = time.monotonic()
+                self._write_status()
             idle = self._idle_for()
             if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
@@ -97,10 +110,18 @@ class Processor:
             self.wandb_stop.set()
             syncer.join()
         for stage in self.stages:
-            stage.close()
+            stage.close(timeout_s=CLOSE_TIMEOUT_S if self.errors else None)
+            if stage.health.state != "failed":
+                stage.health.state = "stopped"
+        self._write_status()
         if self.errors:
             raise self.errors[0]
         return 0
+
+    def _write_status(self) -> None:
+        if self.config.status_dir is not None:
+            for stage in self.stages:
+                write_status(self.config.status_dir, stage.health)
 
     def _idle_for(self) -> float:
         if not all(stage.idle for stage in self.stages):
@@ -116,16 +137,26 @@ class Processor:
             self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
 
 
-def _batch_process(config: ProcessorConfig, parent_pid: int) -> None:
+def _batch_process(config: ProcessorConfig, parent_pid: int, kafka_log_level: int) -> None:
     """Entry point of the batch-stage child process (started with `spawn`)."""
     die_with_parent(parent_pid)  # no orphan stage lives on
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    processor = Processor(config.model_copy(update={"stages": "batches", "until_idle_s": None}))
-    signal.signal(signal.SIGTERM, processor.drain)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    sys.exit(processor.run())
+    logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
+    try:
+        processor = Processor(config.model_copy(update={
+            "stages": "batches", "until_idle_s": None,
+            "broker_timeout_s": config.broker_timeout_s + CHILD_GRACE_S,
+            "join_timeout_s": config.join_timeout_s + CHILD_GRACE_S}))
+        for stage in processor.stages:  # the parent says it to the user
+            stage.health.report_level = logging.INFO
+        signal.signal(signal.SIGTERM, processor.drain)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+        code = processor.run()
+    except RolloutlakeError as err:
+        print(f"rolloutlake process: {err}", file=sys.stderr, flush=True)
+        sys.exit(CHILD_REPORTED)
+    sys.exit(code)
 
 
 def run_split(config: ProcessorConfig) -> int:
@@ -135,7 +166,8 @@ def run_split(config: ProcessorConfig) -> int:
     # delta-rs must not be forked: the child is spawned, a fresh interpreter.
     child = multiprocessing.get_context("spawn").Process(
         # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
-        target=_batch_process, args=(config, os.getpid()),
+        target=_batch_process,
+        args=(config, os.getpid(), logging.getLogger("kafka").getEffectiveLevel()),
         name="rolloutlake-batches",
     )
     child.start()
@@ -143,7 +175,8 @@ def run_split(config: ProcessorConfig) -> int:
     def watch_child() -> None:
         child.join()
         if not groups.stop_event.is_set():
-            log.error("the batch stage exited with code %s; stopping", child.exitcode)
+            if child.exitcode != CHILD_REPORTED:
+                log.error("the batch stage exited with code %s; stopping", child.exitcode)
             groups.stop()
 
     threading.Thread(target=watch_child, daemon=True).start()
@@ -151,13 +184,20 @@ def run_split(config: ProcessorConfig) -> int:
     signal.signal(signal.SIGINT, groups.stop)
     try:
         code = groups.run()
+    except BaseException:
+        # The lake resumes exactly from its transaction marks: no drain is needed, and a
+        # broker that is gone would only make the child wait for it.
+        child.kill()
+        raise
     finally:
         if child.is_alive():
             child.terminate()  # SIGTERM: drain, close steps, exit
             child.join(DRAIN_LIMIT_S + 30)
         if child.is_alive():
             child.kill()
-            child.join()
+        child.join()
+    if child.exitcode == CHILD_REPORTED:
+        return CHILD_REPORTED
     if child.exitcode:
         raise RolloutlakeError(f"the batch stage exited with code {child.exitcode}")
     return code
@@ -175,6 +215,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--consumer-group", default="rolloutlake")
     parser.add_argument("--wandb", action="store_true",
                         help="log every run's step metrics to W&B (offline unless WANDB_MODE)")
+    parser.add_argument("--broker-timeout-s", type=float, default=60.0, metavar="S",
+                        help="exit non-zero after the broker was unreachable this long")
+    parser.add_argument("--join-timeout-s", type=float, default=120.0, metavar="S",
+                        help="exit non-zero when a stage could not join its consumer group "
+                             "this long")
+    parser.add_argument("--snapshot-every", type=int, default=500, metavar="N",
+                        help="snapshot the batch stage's state every N decisions-topic records; a restart "
+                             "replays at most N")
+    parser.add_argument("--status-dir", metavar="DIR",
+                        help="keep DIR/groups.json and DIR/batches.json current: state "
+                             "(joining, running, broker-unreachable, stopped, failed), "
+                             "partitions, last commit, lag")
     parser.add_argument("--single-process", action="store_true",
                         help="run both stages as threads of one process (one core)")
 
@@ -190,6 +242,10 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
             stages=args.stages,
             consumer_group=args.consumer_group,
             wandb=args.wandb,
+            broker_timeout_s=args.broker_timeout_s,
+            join_timeout_s=args.join_timeout_s,
+            status_dir=args.status_dir,
+            snapshot_every=args.snapshot_every,
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
@@ -203,6 +259,9 @@ def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if not getattr(args, "verbose", False):
+        # kafka-python logs every reconnect attempt; the stages say it once (health.py)
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
     if config.stages == "all" and not args.single_process:
         return run_split(config)
     processor = Processor(config)

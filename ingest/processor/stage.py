@@ -7,16 +7,22 @@ Delta, seeks) at the top of its next `poll_once`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from ingest.lake import Lake
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.health import StageHealth, broker_reachable, topic_id
 from ingest.processor.io import DeadLetters, RunRegistry
 from schemas.errors import RolloutlakeError
 
+log = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 10.0
 TOPIC_WAIT_S = 10.0
 
 
@@ -31,9 +37,13 @@ class Stage(ConsumerRebalanceListener):
         # more CPU on both stages than it saves on the wire.
         self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.runs = RunRegistry(config.kafka, self.dead_letters)
+        # The group stage, which archives run_started events, keeps the runs table.
+        self.runs = RunRegistry(config.kafka, self.dead_letters, lake, save=role == "groups")
+        group_id = f"{config.consumer_group}-{role}"
+        self.health = StageHealth(role, group_id, config.kafka.bootstrap_servers,
+                                  config.broker_timeout_s, config.join_timeout_s)
         self.consumer = config.kafka.consumer(
-            group_id=f"{config.consumer_group}-{role}",
+            group_id=group_id,
             session_timeout_ms=config.session_timeout_ms,
             heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
             max_poll_records=config.max_poll_records,
@@ -44,9 +54,18 @@ class Stage(ConsumerRebalanceListener):
             self.close()
             raise
         self.consumer.subscribe([topic], listener=self)
+        self.topic = topic
+        self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
         self.newly_assigned: set[TopicPartition] = set()
+        # An assignment may be empty (more members than partitions): it still ends the join.
+        self.rebalanced = False
+        self.consumed: dict[int, int] = {}  # partition -> last offset committed, for the lag
+        self.last_records: dict[int, Any] = {}  # partition -> the last record handled
+        # Set while a poll's records are handled and committed, which can take longer than
+        # --until-idle on a large lake: that is work, not idleness.
+        self.working = False
 
     def _wait_for_partitions(self, topic: str) -> None:
         """Subscribe only once this client's metadata lists the topic's partitions.
@@ -66,60 +85,153 @@ class Stage(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)
+        self.rebalanced = True
 
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.newly_assigned -= set(revoked)
+        for tp in revoked:
+            self.last_records.pop(tp.partition, None)
         self._release({tp.partition for tp in revoked})
 
     def poll_once(self) -> int:
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
         polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
-        if self.newly_assigned:
+        self.working = bool(polled)
+        now = time.monotonic()
+        self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)
+        if self.rebalanced:
+            self.rebalanced = False
             assigned, self.newly_assigned = self.newly_assigned, set()
-            self._take_over(assigned)
+            if assigned:
+                self._take_over(assigned)
+                self.topic_id = topic_id(self.consumer, self.topic)
             self.joined = True
+            self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()
             # Records fetched before the seek come again from the new position.
             polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+        self.health.observe_join(self.joined, now)
         batch = self._new_batch()
         count = 0
+        # A broker that restarted empty under a running stage keeps its offsets valid when
+        # the new topic is long enough: only the topic id tells (where the broker has one).
+        current_id = topic_id(self.consumer, self.topic)
+        if self.topic_id is not None and current_id not in (None, self.topic_id) and polled:
+            tp = next(iter(polled))
+            self._refuse(tp, f"its topic id changed from {self.topic_id} to {current_id} "
+                             "while being read")
         for tp, records in polled.items():
             for record in records:
                 self._handle(record, batch)
                 batch.last_offset[tp.partition] = record.offset
+            self.last_records[tp.partition] = records[-1]
             count += len(records)
         self._commit(batch)
         if count:
             self.last_activity = time.monotonic()
+        self.working = False
+        if batch.last_offset:
+            self.health.last_commit_at = time.time()
+            self.consumed.update(batch.last_offset)
+            # highwater comes with every fetch response: no request of its own
+            self.health.lag = sum(
+                max(0, (self.consumer.highwater(tp) or 0) - self.consumed[tp.partition] - 1)
+                for tp in self.consumer.assignment() if tp.partition in self.consumed
+            )
         return count
 
     def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
-        """Refuse to resume a partition that is empty although the lake has consumed it.
+        """Refuse to resume a partition of a topic that was recreated since the lake read it.
 
-        That happens when the topic was recreated (a restarted memory broker): its offsets
-        start again at 0, below what the lake recorded, and resuming would skip every new
-        message as already processed.
+        A restarted in-memory broker starts every topic again at offset 0: resuming after
+        the offset the lake recorded would skip the new messages as already processed.
+        The topic is the one the lake read when it still reaches `recorded` and holds the
+        last message the lake stored of it (`_stored_message`), byte for byte. (The end
+        offset alone cannot tell: Tansu under-reports it for multi-record batches.)
         """
         if recorded is None:
             return
-        end = self.consumer.end_offsets([tp])[tp]
-        if end == 0:
-            raise RolloutlakeError(
-                f"{tp.topic}[{tp.partition}] is empty but {self.lake.root} already holds it up "
-                f"to offset {recorded}: the topic was recreated (a restarted in-memory "
-                "broker?). Use a fresh lake or another --topic-prefix."
-            )
+        if self.consumer.end_offsets([tp])[tp] == 0:
+            self._refuse(tp, f"it is empty but the lake holds it up to offset {recorded}")
+        stored = self._stored_message(tp, recorded)
+        probe = self.config.kafka.consumer(group_id=None, max_poll_records=1)
+        try:
+            probe.assign([tp])
+            first = self._read_from(probe, tp, recorded)
+            if first.offset < recorded:  # an offset past the end reads from the start
+                self._refuse(tp, f"it holds no message at offset {recorded}, which the lake "
+                                 "already stored")
+            if stored is None:
+                return
+            offset, fingerprint = stored
+            record = first if offset == recorded else self._read_from(probe, tp, offset)
+            if record.offset != offset:
+                log.warning("%s[%d]@%d is gone (retention?): cannot check that the topic is "
+                            "the one the lake read", tp.topic, tp.partition, offset)
+            elif self._fingerprint(record) != fingerprint:
+                self._refuse(tp, f"its message at offset {offset} is not the one the lake "
+                                 "stored")
+        finally:
+            probe.close()
+
+    def _refuse(self, tp: TopicPartition, why: str) -> None:
+        raise RolloutlakeError(
+            f"{tp.topic}[{tp.partition}]: the topic was recreated ({why}; a restarted in-memory "
+            f"broker?): resuming would skip its new messages. Process them into a fresh lake "
+            f"(--lake), or publish to fresh topics (--topic-prefix); {self.lake.root} stays as "
+            "it is"
+        )
+
+    def _read_from(self, probe: Any, tp: TopicPartition, offset: int) -> Any:
+        """The first message at or after `offset` (or from the start when `offset` is past
+        the end), read by a consumer of its own: the group's is mid-join."""
+        probe.seek(tp, offset)
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for record in probe.poll(timeout_ms=200).get(tp, []):
+                return record
+        raise RolloutlakeError(f"{tp.topic}[{tp.partition}]@{offset} could not be read within "
+                               f"{PROBE_TIMEOUT_S:g} s")
+
+    def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
+        """Offset and `_fingerprint` of the last message at or before `up_to` the lake
+        stored: by default from the `events` archive and the dead letters' raw bytes."""
+        in_partition = (pc.field("topic") == tp.topic) & (pc.field("partition") == tp.partition)
+        found: tuple[int, bytes] | None = None
+        for table, column in (("events", "payload"), ("dead_letters", "raw")):
+            rows = self.lake.read(table, columns=["offset"], filter=in_partition
+                                  & (pc.field("offset") <= up_to) & pc.field(column).is_valid())
+            if rows.num_rows == 0:
+                continue
+            offset = pc.max(rows.column("offset")).as_py()
+            if found is not None and found[0] >= offset:
+                continue
+            value = self.lake.read(table, columns=[column], filter=in_partition
+                                   & (pc.field("offset") == offset)).column(column)[0].as_py()
+            found = (offset, value.encode() if isinstance(value, str) else value)
+        return found
+
+    def _fingerprint(self, record: Any) -> bytes:
+        """What the lake keeps of a message to recognise it: the value, as archived."""
+        return record.value
 
     @property
     def idle(self) -> bool:
-        return self.joined and not self.dead_letters.rows
+        return self.joined and not self.working and not self.dead_letters.rows
 
-    def close(self) -> None:
-        self.producer.flush()
-        self.consumer.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""
+        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        try:
+            self.producer.flush(timeout=timeout_s)
+        except KafkaTimeoutError:
+            # Only on the way out after an error: what was not sent is re-derived from the
+            # lake on restart.
+            log.info("%s stage: unsent messages dropped at exit", self.health.role)
+        self.consumer.close(timeout_ms=timeout_ms)
         self.runs.close()
-        self.producer.close()
+        self.producer.close(timeout=timeout_s)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         raise NotImplementedError

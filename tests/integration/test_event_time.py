@@ -15,9 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from ingest.kafka_io import KafkaSettings
+from ingest.kafka_io import KafkaSettings, key_partition
 from ingest.lake import Lake
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
@@ -159,3 +160,48 @@ def test_a_lake_from_before_event_time_gets_the_column_and_keeps_its_rows(tmp_pa
     archived = sorted(lake.read("events").to_pylist(), key=lambda r: r["offset"])
     assert [(r["event_id"], r["event_time"] is None) for r in archived] == [
         ("e0", True), ("e1", False)]
+
+
+def test_a_record_that_reached_the_broker_keeps_its_time_while_other_partitions_are_read(
+        broker, tmp_path):
+    """A partition is idle only when the broker has nothing more for it. The high watermark
+    of its last fetch can be seconds old (Apache Kafka answers with every partition's
+    records, and kafka-python fetches a partition again once they are consumed): taking it
+    for idle would give a record already in the broker a later time than its own."""
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
+                          topic_prefix=f"i{uuid.uuid4().hex[:8]}.", event_partitions=2,
+                          decision_partitions=1)
+    kafka.ensure_topics()
+    run, lake_root = "idle", str(tmp_path / "lake")
+    on = {p: [g for g in range(400) if key_partition(event_group_key(run, g), 2) == p]
+          for p in (0, 1)}
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
+
+    def started(producer, group_index: int):
+        return producer.send(kafka.topics.events, key=event_group_key(run, group_index),
+                      value=orjson.dumps(event("group_started", run, group_index=group_index,
+                                               step=0, n_samples=2)))
+
+    producer = kafka.producer()
+    for group_index in on[0][:60] + on[1][:60]:
+        started(producer, group_index)
+    producer.flush()
+    # One record per poll, each committed: a partition's records take seconds to read.
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake_root, max_poll_records=1,
+                                       consumer_group="idle-check"), Lake(lake_root))
+    try:
+        deadline = time.monotonic() + 120
+        while 59 not in stage.recorded.values() and time.monotonic() < deadline:
+            stage.poll_once()
+        [drained] = [p for p, offset in stage.recorded.items() if offset == 59]
+        assert (stage.recorded.get(1 - drained) or 0) < 40, "the other partition read too fast"
+        sent = started(producer, on[drained][60]).get(timeout=30)
+        while stage.recorded.get(drained) != 60 and time.monotonic() < deadline:
+            stage.poll_once()
+    finally:
+        stage.close()
+        producer.close()
+    [late] = Lake(lake_root).read(
+        "events", filter=(pc.field("group_index") == on[drained][60]) & (pc.field("run_id") == run)
+    ).to_pylist()
+    assert late["event_time"] == datetime.fromtimestamp(sent.timestamp / 1000, UTC)

@@ -1,0 +1,172 @@
+"""The processor against a broker that restarts empty or dies: it refuses or says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ingest.broker import EmbeddedBroker, free_port
+from ingest.kafka_io import KafkaSettings
+from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+
+RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
+
+
+def started(run_id: str, group_index: int) -> dict:
+    return event("group_started", run_id, group_index=group_index, step=group_index, n_samples=2)
+
+
+def group(run_id: str, group_index: int) -> list[dict]:
+    return [started(run_id, group_index), sample(run_id, group_index, 0, 1.0),
+            sample(run_id, group_index, 1, 0.0)]
+
+
+def process_cli(kafka: KafkaSettings, lake: str, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
+           kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
+           "--event-partitions", "1", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def our_lines(stderr: str) -> list[str]:
+    """What the user sees from rolloutlake itself (INFO progress lines aside)."""
+    return [ln for ln in stderr.splitlines() if " INFO " not in ln]
+
+
+@pytest.fixture
+def own_broker():
+    """A broker of this test's own, to restart or kill."""
+    broker = EmbeddedBroker(free_port()).start()
+    yield broker
+    broker.stop()
+
+
+def test_a_broker_restarted_with_new_data_is_refused_not_skipped(own_broker, tmp_path):
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "p.")
+    publish(kafka, "before", RUN, group("before", 0))
+    run_processor(kafka, lake, idle_s=1.0)
+    assert len(rows(lake, "groups", "before")) == 1
+
+    # The memory broker restarts on the same port: the topics come back empty, and new
+    # events fill them past the offsets the lake recorded.
+    own_broker.stop()
+    own_broker.start()
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "p.")
+    publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
+
+    process = process_cli(kafka, lake, "--until-idle", "2")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    [line] = our_lines(stderr)
+    assert line.startswith("rolloutlake process: p.rollout.events[0]: the topic was recreated"), line
+    assert "fresh lake" in line
+    # Nothing of the new stream was taken for old: no group of "after" was half-written.
+    assert rows(lake, "groups", "after") == []
+    assert rows(lake, "events", "after") == []
+
+
+def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp_path):
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
+    publish(kafka, "before", RUN, group("before", 0))
+    # The group stage alone: an empty decisions topic after the restart would stop a batch
+    # stage in any case (test_durability covers its own check).
+    process = process_cli(kafka, lake, "--stages", "groups")
+    deadline = time.monotonic() + 90
+    while len(rows(lake, "events", "before")) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.3)
+
+    # Frozen while the broker restarts and new events arrive, the processor wakes up to a
+    # topic that already holds more than it read (it must not see it empty first).
+    os.kill(process.pid, signal.SIGSTOP)
+    own_broker.stop()
+    own_broker.start()
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
+    publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
+    os.kill(process.pid, signal.SIGCONT)
+    try:
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        process.kill()
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    [line] = our_lines(stderr)
+    assert line.startswith("rolloutlake process: live.rollout.events[0]: the topic was "
+                           "recreated ("), line
+    assert "is empty" not in line, line
+    assert rows(lake, "events", "after") == []
+
+
+def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
+    lake, status_dir = str(tmp_path / "lake"), tmp_path / "status"
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "k.")
+    publish(kafka, "r", RUN, group("r", 0))
+    process = process_cli(kafka, lake, "--broker-timeout-s", "6", "--status-dir",
+                          str(status_dir))
+    deadline = time.monotonic() + 90
+    while len(rows(lake, "groups", "r")) < 1:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.5)
+    assert _status(status_dir, "groups")["state"] == "running"
+    assert _status(status_dir, "groups")["partitions"] == [0]
+
+    os.kill(own_broker.process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    seen_unreachable = False
+    while process.poll() is None and time.monotonic() - killed_at < 60:
+        seen_unreachable |= _status(status_dir, "groups")["state"] == "broker-unreachable"
+        time.sleep(0.3)
+    _, stderr = process.communicate(timeout=30)
+    took = time.monotonic() - killed_at
+    assert process.returncode == 2, stderr
+    assert 6 <= took < 40, took
+    assert seen_unreachable
+    lines = our_lines(stderr)
+    assert "Traceback" not in stderr and "kafka." not in stderr, stderr
+    assert lines[-1] == (f"rolloutlake process: no Kafka broker answered at "
+                         f"{own_broker.bootstrap_servers} for 6 s (--broker-timeout-s); exiting "
+                         "so it can be restarted once the broker is back"), stderr
+    warnings = [ln for ln in lines if "is unreachable" in ln]
+    assert len(warnings) == 1 and "retrying for 6 s" in warnings[0], stderr
+    assert _status(status_dir, "groups")["state"] == "failed"
+
+
+def _status(folder: Path, stage: str) -> dict:
+    path = folder / f"{stage}.json"
+    return json.loads(path.read_text()) if path.exists() else {"state": None}
+
+
+def test_a_join_that_does_not_finish_is_reported_and_ends_the_processor(broker, tmp_path):
+    # A member of the group that joined and then stopped polling: the broker waits for it
+    # to rejoin (up to its rebalance timeout), so the processor's join does not finish.
+    # (Joining alone takes Tansu about 3 s, but Apache Kafka 0.4 s.) A consumer group of its
+    # own: the member given up mid-join stays in the group until the broker's rebalance
+    # timeout and would hold up the next one to join it.
+    kafka = ordered_kafka(broker.bootstrap_servers, f"join{os.getpid()}.")
+    stuck = kafka.consumer(group_id=f"join{os.getpid()}-groups")
+    try:
+        stuck.subscribe([kafka.topics.events])
+        deadline = time.monotonic() + 30
+        while not stuck.assignment() and time.monotonic() < deadline:
+            stuck.poll(timeout_ms=200)
+        assert stuck.assignment(), "the stuck member did not join"
+        process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5",
+                              "--consumer-group", f"join{os.getpid()}")
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        stuck.close()
+    assert process.returncode == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    assert our_lines(stderr) == [
+        f"rolloutlake process: could not join consumer group join{os.getpid()}-groups within 0.5 s "
+        "(--join-timeout-s): is another member of it stuck, or the broker overloaded?"], stderr

@@ -1,0 +1,217 @@
+"""State that must outlive Kafka retention: run configs and the batch stage's progress."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from ingest.kafka_io import KafkaSettings
+from ingest.lake import Lake
+from ingest.processor.batch_stage import BatchStage
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.io import RunRegistry
+from ingest.publisher import RolloutPublisher
+from ingest.simulate import SimulationConfig, open_loop_groups
+from schemas.errors import RolloutlakeError
+from schemas.events import event_group_key
+from schemas.tables import BATCH_STATE
+from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+
+SIM = SimulationConfig(
+    run_id="snap", steps=8, rollout_batch_size=3, n_samples=2, response_len_mean=8,
+    prompt_len=4, compaction_rate=0.1, duplicate_rate=0.05, abort_rate=0.05,
+    missing_reward_rate=0.05, seed=3, mode="open", surplus_per_step=1,
+)
+
+
+# Many polls, so snapshots fall due while the stream is read, not only at the stop.
+SMALL_POLLS = {"snapshot_every": 7, "max_poll_records": 10}
+
+
+def _publish_groups(kafka: KafkaSettings, groups: list, *, with_run: bool) -> None:
+    with RolloutPublisher(kafka) as pub:
+        if with_run:
+            pub.run_started(SIM.run_id, SIM.run_config(), event_id="run")
+            pub.flush()
+        for group in groups:
+            for body in group.events:
+                pub.send_raw(pub.topics.events, event_group_key(SIM.run_id, body["group_index"]),
+                             orjson.dumps(body))
+
+
+def _table(lake: Lake, name: str, columns: list[str], run_id: str = SIM.run_id) -> list[tuple]:
+    table = lake.read(name, columns=columns, filter=pc.field("run_id") == run_id)
+    return sorted(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+
+
+def _batch_stage(processor) -> BatchStage:
+    [stage] = [s for s in processor.stages if isinstance(s, BatchStage)]
+    return stage
+
+
+def test_a_restarted_batch_stage_resumes_from_its_snapshot(broker, tmp_path):
+    groups = list(open_loop_groups(SIM))
+    reference_lake = str(tmp_path / "reference")
+    reference = ordered_kafka(broker.bootstrap_servers, f"ref{id(groups)}.")
+    _publish_groups(reference, groups, with_run=True)
+    run_processor(reference, reference_lake, idle_s=1.5)
+
+    lake_root = str(tmp_path / "lake")
+    kafka = ordered_kafka(broker.bootstrap_servers, f"snap{id(groups)}.")
+    half = len(groups) // 2
+    _publish_groups(kafka, groups[:half], with_run=True)
+    run_processor(kafka, lake_root, idle_s=1.5, **SMALL_POLLS)
+    lake = Lake(lake_root)
+    snapshots = lake.read("batch_state").to_pylist()
+    assert len(snapshots) >= 2  # due ones while running, and one at the stop
+    last = max(s["offset"] for s in snapshots)
+    # Before the run's first item is released (held for the watermarks) it has no batcher.
+    assert all(s["runs"] in ([], [SIM.run_id]) for s in snapshots)
+    assert [s["runs"] for s in snapshots if s["offset"] == last] == [[SIM.run_id]]
+
+    _publish_groups(kafka, groups[half:], with_run=False)
+    second = run_processor(kafka, lake_root, idle_s=1.5, **SMALL_POLLS)
+    # It read only the decisions after the snapshot ...
+    assert _batch_stage(second).resumed_from == {0: last + 1}
+    # ... and the tables are those of an uninterrupted run.
+    ref = Lake(reference_lake)
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(_table(ref, "steps", steps)) == SIM.steps
+    assert _table(lake, "steps", steps) == _table(ref, "steps", steps)
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    assert _table(lake, "groups", decisions) == _table(ref, "groups", decisions)
+    fragments = ["group_index", "rollout_id", "fragment_index", "decision"]
+    assert _table(lake, "samples", fragments) == _table(ref, "samples", fragments)
+    assert _table(lake, "step_metrics", ["step", "key"]) == _table(ref, "step_metrics",
+                                                                   ["step", "key"])
+
+
+def test_a_snapshot_from_another_topic_is_refused(broker, tmp_path):
+    """The decisions topic recreated with as many messages as before: the message at the
+    snapshot's offset is another one, so the batch stage refuses instead of resuming."""
+    groups = list(open_loop_groups(SIM))[:6]
+    lake_root = str(tmp_path / "lake")
+    kafka = ordered_kafka(broker.bootstrap_servers, f"fp{id(groups)}.")
+    _publish_groups(kafka, groups, with_run=True)
+    run_processor(kafka, lake_root, idle_s=1.5, stages="all")
+    [snapshot] = [s for s in Lake(lake_root).read("batch_state").to_pylist()]
+
+    # Same topic names on the same broker are impossible to recreate here, so the
+    # decisions of another run land at the same offsets of a fresh topic under the old
+    # topic's name: a lake and topics that do not belong together.
+    other = ordered_kafka(broker.bootstrap_servers, f"fp-other{id(groups)}.")
+    with RolloutPublisher(other) as pub:
+        for offset in range(snapshot["offset"] + 3):
+            pub.send_raw(other.topics.decisions, b"x", f"not {offset}".encode())
+    moved = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
+                          topic_prefix=other.topic_prefix, event_partitions=1,
+                          decision_partitions=1)
+    renamed_lake = str(tmp_path / "renamed")
+    _copy_lake_for_topic(lake_root, renamed_lake, kafka.topics.decisions, other.topics.decisions)
+    with pytest.raises(RolloutlakeError, match=r"the topic was recreated \(its message at "
+                       rf"offset {snapshot['offset']} is not the one the lake stored"):
+        run_processor(moved, renamed_lake, idle_s=1.0, stages="batches")
+
+
+def _copy_lake_for_topic(source: str, target: str, old_topic: str, new_topic: str) -> None:
+    """The batch_state table of `source` as if it had been written for `new_topic`."""
+    table = Lake(source).read("batch_state")
+    table = table.set_column(table.schema.get_field_index("topic"), "topic",
+                             pa.array([new_topic] * table.num_rows))
+    Lake(target).append("batch_state", table.cast(BATCH_STATE.schema))
+    assert old_topic != new_topic
+
+
+def test_run_configs_outlive_the_runs_topic(broker, tmp_path):
+    """After retention (here: fresh topics) the run's config still comes from the lake."""
+    lake_root = str(tmp_path / "lake")
+    config = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
+    first = ordered_kafka(broker.bootstrap_servers, f"cfg-a{id(lake_root)}.")
+    publish(first, "r", config, [
+        event("group_started", "r", group_index=0, step=0, n_samples=2),
+        sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
+    run_processor(first, lake_root, idle_s=1.0)
+    [saved] = rows(lake_root, "runs", "r")
+    assert orjson.loads(saved["config"]) == config
+
+    later = ordered_kafka(broker.bootstrap_servers, f"cfg-b{id(lake_root)}.")
+    registry = RunRegistry(later, lake=Lake(lake_root))
+    assert registry.get("r").rollout_batch_size == 1
+    registry.close()
+    publish(later, "r", None, [
+        event("group_started", "r", group_index=1, step=1, n_samples=2),
+        sample("r", 1, 0, 1.0), sample("r", 1, 1, 0.0)])
+    run_processor(later, lake_root, idle_s=1.0)
+    decided = {r["group_index"]: r["decision"] for r in rows(lake_root, "groups", "r")}
+    assert decided == {0: "kept", 1: "kept"}
+    assert [r["error"] for r in rows(lake_root, "dead_letters")] == []
+
+
+HELD = SimulationConfig(
+    run_id="held", steps=6, rollout_batch_size=3, n_samples=2, response_len_mean=8,
+    prompt_len=4, compaction_rate=0.1, duplicate_rate=0.05, abort_rate=0.05,
+    missing_reward_rate=0.05, seed=5, mode="open", surplus_per_step=2,
+)
+
+
+def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_run(
+        broker, tmp_path):
+    """Four events partitions: a snapshot falls between a decision and the watermarks that
+    release it. The restart must still apply it in its place (the ordering state is in the
+    snapshot), or steps and surplus differ from an uninterrupted run."""
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
+                          topic_prefix=f"held{uuid.uuid4().hex[:8]}.", event_partitions=4,
+                          decision_partitions=1)
+    kafka.ensure_topics()
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(HELD.run_id, HELD.run_config(), event_id="run")
+        pub.flush()
+        for group in open_loop_groups(HELD):
+            for body in group.events:
+                pub.send_raw(pub.topics.events, event_group_key(HELD.run_id, body["group_index"]),
+                             orjson.dumps(body))
+    decided = str(tmp_path / "decided")
+    run_processor(kafka, decided, idle_s=1.5, stages="groups", consumer_group="held-groups")
+    reference, lake_root = str(tmp_path / "reference"), str(tmp_path / "lake")
+    shutil.copytree(decided, reference)
+    shutil.copytree(decided, lake_root)
+    run_processor(kafka, reference, idle_s=1.5, stages="batches", consumer_group="held-ref")
+
+    # A batch stage that stops, as if killed, right after a snapshot with decisions held.
+    config = ProcessorConfig(kafka=kafka, lake=lake_root, consumer_group="held-cut",
+                             snapshot_every=5, max_poll_records=5)
+    stage = BatchStage(config, Lake(lake_root))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        saved = dict(stage.snapshots.saved)
+        stage.poll_once()
+        if stage.snapshots.saved != saved and len(stage.merges[0]):
+            break
+    else:
+        pytest.fail("no snapshot was taken while decisions were held")
+    cut = stage.snapshots.saved[0]
+    stage.close()
+
+    second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
+                           consumer_group="held-cut")
+    assert _batch_stage(second).resumed_from == {0: cut + 1}
+    ref, lake = Lake(reference), Lake(lake_root)
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(_table(ref, "steps", steps, HELD.run_id)) == HELD.steps
+    assert _table(lake, "steps", steps, HELD.run_id) == _table(ref, "steps", steps, HELD.run_id)
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    assert any(r[1] == "surplus" for r in _table(ref, "groups", decisions, HELD.run_id))
+    assert (_table(lake, "groups", decisions, HELD.run_id)
+            == _table(ref, "groups", decisions, HELD.run_id))
+    fragments = ["group_index", "rollout_id", "fragment_index", "decision"]
+    assert (_table(lake, "samples", fragments, HELD.run_id)
+            == _table(ref, "samples", fragments, HELD.run_id))
+    metrics = ["step", "key", "value"]
+    assert (_table(lake, "step_metrics", metrics, HELD.run_id)
+            == _table(ref, "step_metrics", metrics, HELD.run_id))
