@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
 from deltalake import DeltaTable
 
 from ingest.broker import EmbeddedBroker, free_port
@@ -31,22 +30,7 @@ from ingest.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
-from schemas.events import event_group_key
-
-
-def publish(kafka: KafkaSettings, sim: SimulationConfig) -> int:
-    count = 0
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(sim.run_id, sim.run_config())
-        pub.flush()
-        for group in open_loop_groups(sim):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(sim.run_id, body["group_index"]),
-                             orjson.dumps(body))
-                count += 1
-    return count
+from ingest.simulate import SimulationConfig, run_simulation
 
 
 def restart(config: ProcessorConfig, group: str, label: str) -> None:
@@ -89,7 +73,7 @@ def main() -> None:
         lake_root = str(Path(folder) / "lake")
         config = ProcessorConfig(kafka=kafka, lake=lake_root, until_idle_s=3.0,
                                  stages="all")
-        events = publish(kafka, sim)
+        events = run_simulation(kafka, sim)["events"]
         start = time.perf_counter()
         Processor(config).run()
         lake = Lake(lake_root)

@@ -19,27 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-
 from ingest.broker import EmbeddedBroker, free_port
 from ingest.kafka_io import KafkaSettings
 from ingest.lake import Lake
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
-from schemas.events import event_group_key
-
-
-def publish(kafka: KafkaSettings, sim: SimulationConfig) -> int:
-    count = 0
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(sim.run_id, sim.run_config())
-        pub.flush()
-        for group in open_loop_groups(sim):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(sim.run_id, body["group_index"]),
-                             orjson.dumps(body))
-                count += 1
-    return count
+from ingest.simulate import SimulationConfig, run_simulation
 
 
 def events_partitions(status: Path) -> list[int]:
@@ -65,7 +48,7 @@ def process(broker: str, sim: SimulationConfig, instances: int, folder: Path) ->
             owned = [events_partitions(s) for s in statuses]
             time.sleep(0.1)
         start = time.perf_counter()
-        events = publish(kafka, sim)
+        events = run_simulation(kafka, sim)["events"]
         lake = Lake(lake_root)
         while lake.read("steps", columns=["step"]).num_rows < sim.steps:
             if any(p.poll() is not None for p in procs):

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import orjson
-
 from ingest.lake import Lake
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
-from schemas.events import event_group_key
+from ingest.simulate import SimulationConfig, run_simulation
 from tests.integration.pipeline import ordered_kafka, run_processor
 
 
@@ -18,13 +14,7 @@ def test_a_backlog_longer_to_commit_than_the_idle_time_is_finished(broker, tmp_p
                            response_len_mean=8, prompt_len=4, seed=4, mode="open",
                            surplus_per_step=1)
     kafka = ordered_kafka(broker.bootstrap_servers, f"idle{id(sim)}.")
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(sim.run_id, sim.run_config())
-        pub.flush()
-        for group in open_loop_groups(sim):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(sim.run_id, body["group_index"]),
-                             orjson.dumps(body))
+    run_simulation(kafka, sim)
     lake_root = str(tmp_path / "lake")
     run_processor(kafka, lake_root, idle_s=0.05, max_poll_records=200)
     assert Lake(lake_root).read("steps", columns=["step"]).num_rows == sim.steps
