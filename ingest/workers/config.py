@@ -134,6 +134,9 @@ class WorkerConfig(BaseModel):
     """Nucleus sampling threshold."""
     max_new_tokens: int = Field(default=64, ge=1)
     """Most tokens generated per sample."""
+    ignore_eos: bool = False
+    """Generate `max_new_tokens` whatever the end-of-sequence token (both engines'
+    `ignore_eos`): fixed-length rollouts for load tests and benchmarks."""
     reward_key: str | None = None
     """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
     dynamic_sampling_filter_path: str | None = None

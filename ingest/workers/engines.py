@@ -34,6 +34,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    ignore_eos: bool = False  # sent only when set, so default bodies stay the engines' own
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def vllm_completion_body(prompt_tokens: list[int], sampling: Sampling,
         "logprobs": 0,  # the sampled token's log-prob only
         "return_tokens_as_token_ids": True,
         "request_id": request_id,
+        **({"ignore_eos": True} if sampling.ignore_eos else {}),
     }
 
 
@@ -106,6 +108,7 @@ def sglang_generate_body(prompt_tokens: list[int], sampling: Sampling,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_new_tokens": sampling.max_new_tokens,
+            **({"ignore_eos": True} if sampling.ignore_eos else {}),
         },
         "return_logprob": True,
         "rid": request_id,

@@ -112,7 +112,8 @@ class RolloutWorker:
         self.prompts = prompts
         self.terminal = terminal if terminal is not None and terminal.isatty() else None
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
-                                 max_new_tokens=config.max_new_tokens)
+                                 max_new_tokens=config.max_new_tokens,
+                                 ignore_eos=config.ignore_eos)
         self.reward_args = FilterArgs(**{**config.model_dump(mode="json"),
                                         **config.run_config()})
         self.progress = Progress()

@@ -226,7 +226,9 @@ def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen
 def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(
         engine, kafka, lake_root, tmp_path):
     """32 groups issued for a step of 2, 4 requests at a time: the processor seals the step
-    while most groups still wait or generate, and the worker stops generating for it."""
+    while most groups still wait or generate, and the worker stops generating for it.
+    `--ignore-eos` makes every request run its 480 tokens, so requests are mid-generation
+    when the seal arrives (the random policy's end token would end most within 0.1 s)."""
     run_id = "seal-cancels"
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}*{i}=", "label": str(i * i)} for i in range(8)])
@@ -240,7 +242,7 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
     worker = subprocess.Popen(
         worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "4",
                        "--rollout-batch-size", "2", "--over-sampling-batch-size", "32",
-                       "--max-new-tokens", "480", "--max-in-flight", "4"),
+                       "--max-new-tokens", "480", "--ignore-eos", "--max-in-flight", "4"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = worker.communicate(timeout=600)

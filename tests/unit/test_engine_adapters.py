@@ -15,6 +15,8 @@ own source, sgl-project/sglang:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ingest.workers.engines import (
@@ -55,6 +57,15 @@ def test_vllm_body_sends_token_ids_and_asks_for_sampled_log_probs():
     assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
     assert body["request_id"] == "run-1/g0/r3"
     assert vllm_request_id("run-1/g0/r3") == "cmpl-run-1/g0/r3-0"
+
+
+def test_ignore_eos_reaches_both_engines_only_when_asked():
+    """vLLM takes `ignore_eos` beside the OpenAI fields, SGLang inside `sampling_params`."""
+    fixed = dataclasses.replace(SAMPLING, ignore_eos=True)
+    assert vllm_completion_body([5], fixed, "r")["ignore_eos"] is True
+    assert sglang_generate_body([5], fixed, "r")["sampling_params"]["ignore_eos"] is True
+    assert "ignore_eos" not in vllm_completion_body([5], SAMPLING, "r")
+    assert "ignore_eos" not in sglang_generate_body([5], SAMPLING, "r")["sampling_params"]
 
 
 @pytest.mark.parametrize(("reason", "status"),
