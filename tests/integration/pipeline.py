@@ -14,6 +14,7 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from ingest.publisher import RolloutPublisher
 from schemas.events import event_group_key
+from schemas.tables import TABLES
 
 _ids = itertools.count()
 
@@ -82,3 +83,13 @@ def metrics(lake: Lake | str, run_id: str) -> dict[int, dict[str, float]]:
     for r in rows(lake, "step_metrics", run_id):
         out.setdefault(r["step"], {})[r["key"]] = r["value"]
     return out
+
+
+def assert_keys_once(lake: Lake) -> None:
+    """Every table of the lake holds each of its key tuples once (CONTRACT section 4)."""
+    for spec in TABLES.values():
+        if not lake.exists(spec.name):
+            continue
+        keys = lake.read(spec.name, columns=list(spec.key))
+        rows = list(zip(*(keys.column(c).to_pylist() for c in spec.key), strict=True))
+        assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"

@@ -28,7 +28,7 @@ from ingest.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.simulate import SimulationConfig, run_simulation
 from schemas.tables import TABLES
-from tests.integration.pipeline import run_processor
+from tests.integration.pipeline import assert_keys_once, run_processor
 
 SIM = SimulationConfig(
     run_id="chaos", steps=7, rollout_batch_size=4, n_samples=4, response_len_mean=48,
@@ -113,15 +113,6 @@ def _rows(lake: Lake, table: str) -> list[tuple]:
                   for r in rows)
 
 
-def _assert_keys_once(lake: Lake) -> None:
-    for spec in TABLES.values():
-        if not lake.exists(spec.name):
-            continue
-        keys = lake.read(spec.name, columns=list(spec.key))
-        rows = list(zip(*(keys.column(c).to_pylist() for c in spec.key), strict=True))
-        assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"
-
-
 @pytest.mark.slow
 def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path):
     seed = int(os.environ.get("ROLLOUTLAKE_CHAOS_SEED", random.SystemRandom().randrange(2**32)))
@@ -176,7 +167,7 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
           + ", ".join(f"{name} {s:.0f}" for name, s in phases.items()))
 
     got, ref = Lake(chaos_lake), Lake(reference_lake)
-    _assert_keys_once(got)
+    assert_keys_once(got)
     assert len(_rows(ref, "steps")) >= SIM.steps
     for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
                   "dead_letters"):

@@ -24,8 +24,8 @@ from ingest.lake import Lake, TxnMark
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
 from schemas.events import event_group_key
-from schemas.tables import STEP_METRICS, TABLES
-from tests.integration.pipeline import ordered_kafka, run_processor
+from schemas.tables import STEP_METRICS
+from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
 
 pytestmark = pytest.mark.one_broker("the object store's commits; the broker path is tested on both engines elsewhere")
 
@@ -162,12 +162,7 @@ def test_two_instances_on_an_s3_lake_write_exactly_once(broker, s3_env, tmp_path
     assert b"Traceback" not in last.stderr.read()
 
     reference, got = Lake(reference_root), _lake(s3_env, "pair")
-    for spec in TABLES.values():
-        if not got.exists(spec.name):
-            continue
-        keys = got.read(spec.name, columns=list(spec.key))
-        rows = list(zip(*(keys.column(c).to_pylist() for c in spec.key), strict=True))
-        assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"
+    assert_keys_once(got)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
     assert len(_table(reference, "steps", steps)) == SIM.steps
     assert _table(got, "steps", steps) == _table(reference, "steps", steps)

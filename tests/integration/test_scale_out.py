@@ -20,8 +20,7 @@ from ingest.lake import Lake
 from ingest.publisher import RolloutPublisher
 from ingest.simulate import SimulationConfig, open_loop_groups
 from schemas.events import event_group_key
-from schemas.tables import TABLES
-from tests.integration.pipeline import ordered_kafka, run_processor
+from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
 
 # Exactly `rollout_batch_size` kept groups per step (no surplus) and no aborts: which
 # groups form a step then does not depend on the order in which two instances decide them.
@@ -117,12 +116,7 @@ def test_the_survivor_takes_over_a_killed_instance_exactly_once(broker, tmp_path
                 process.wait()
 
     got = Lake(lake_root)
-    for spec in TABLES.values():
-        if not got.exists(spec.name):
-            continue
-        keys = got.read(spec.name, columns=list(spec.key))
-        rows = list(zip(*(keys.column(c).to_pylist() for c in spec.key), strict=True))
-        assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"
+    assert_keys_once(got)
     assert _table(got, "steps", steps) == _table(ref, "steps", steps)
     decisions = ["group_index", "decision", "reason", "batch_step"]
     assert _table(got, "groups", decisions) == _table(ref, "groups", decisions)
