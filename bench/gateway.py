@@ -41,9 +41,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ingest.broker import EmbeddedBroker, free_port  # noqa: E402
-from ingest.kafka_io import KafkaSettings  # noqa: E402
-from ingest.publisher import RolloutPublisher  # noqa: E402
+from ingest.io.broker import EmbeddedBroker, free_port  # noqa: E402
+from ingest.io.kafka import KafkaSettings  # noqa: E402
+from ingest.sdk.publisher import RolloutPublisher  # noqa: E402
 from schemas.events import parse_event  # noqa: E402
 
 BATCHES = (1, 16, 256)

@@ -29,12 +29,12 @@ import orjson
 import pyarrow.compute as pc
 from kafka import TopicPartition
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
-from ingest.tail import TableTail
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
+from ingest.io.tail import TableTail
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 
 

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.simulate import SimulationConfig, run_simulation
 
 
 def restart(config: ProcessorConfig, group: str, label: str) -> None:

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
-from ingest.simulate import SimulationConfig, run_simulation
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 
 
 def events_partitions(status: Path) -> list[int]:

@@ -42,7 +42,7 @@ import pyarrow.compute as pc  # noqa: E402
 from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
-from ingest.filters import CANCELLED_AT_SEAL  # noqa: E402
+from ingest.core.filters import CANCELLED_AT_SEAL  # noqa: E402
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
@@ -255,11 +255,11 @@ def mismatches(computed: StepMetrics, recorded: StepMetrics, *, rel_tol: float =
 
 def simulated_lake(root: Path, steps: int, seed: int) -> tuple[str, str]:
     """A lake with one simulated run processed by the real processor on an embedded broker."""
-    from ingest.broker import EmbeddedBroker, free_port
-    from ingest.kafka_io import KafkaSettings
+    from ingest.commands.simulate import SimulationConfig, run_simulation
+    from ingest.io.broker import EmbeddedBroker, free_port
+    from ingest.io.kafka import KafkaSettings
     from ingest.processor.config import ProcessorConfig
     from ingest.processor.main import Processor
-    from ingest.simulate import SimulationConfig, run_simulation
 
     run_id = "spark-bench"
     sim = SimulationConfig(run_id=run_id, steps=steps, rollout_batch_size=16, n_samples=8,
@@ -292,7 +292,7 @@ class BenchError(Exception):
 
 def check_lake(lake: str, run_id: str) -> None:
     """Refuse a lake without the run's step metrics before a Spark session starts."""
-    from ingest.lake import Lake
+    from ingest.io.lake import Lake
 
     if not os.path.isdir(lake):
         raise BenchError(f"--lake {lake}: no such folder")

@@ -29,7 +29,7 @@ from gateway.producer import GatewayProducer
 from gateway.prompts import PromptService
 from gateway.routes import dashboard, datasets, events, health, prompts, reads, runs, stream
 from gateway.runs import RunRegistry
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import BrokerUnavailableError
 
 log = logging.getLogger(__name__)

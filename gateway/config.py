@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import LakePath
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import LakePath
 from schemas.errors import ConfigError
 
 TOKENS_ENV = "ROLLOUTLAKE_GATEWAY_TOKENS"

@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
 
-from ingest.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
-from ingest.lake import lake_storage_options
+from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
+from ingest.io.lake import lake_storage_options
 from schemas.tables import DATASET_ROWS
 
 DATASET_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"

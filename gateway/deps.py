@@ -24,7 +24,7 @@ from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer
 from gateway.prompts import PromptService
 from gateway.runs import RunRegistry
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.bounds import check_run_id
 
 # Integers in paths and queries end up in Delta/Arrow int64 filters: bound them there.

@@ -15,7 +15,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import TOKENS_ENV, GatewayConfig, hash_token, load_config
-from ingest.broker import port_is_free
+from ingest.io.broker import port_is_free
 from schemas.errors import ConfigError
 
 GRACEFUL_SHUTDOWN_S = 10

@@ -18,8 +18,8 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import RecordMetadata
 
-from ingest.kafka_io import KafkaSettings
-from ingest.publisher import RolloutPublisher
+from ingest.io.kafka import KafkaSettings
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import BrokerUnavailableError, RolloutlakeError
 
 log = logging.getLogger(__name__)

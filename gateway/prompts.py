@@ -54,7 +54,7 @@ from gateway.datasets import DATASET_NAME, DatasetStore
 from gateway.errors import ApiError
 from gateway.producer import GatewayProducer
 from gateway.runs import RunInfo, RunRegistry
-from ingest.lake import Lake, TxnMark
+from ingest.io.lake import Lake, TxnMark
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import GroupStarted, decode_event, encode_event, event_group_key, parse_event
 from schemas.tables import PROMPT_CURSOR, PROMPT_CURSOR_WAL

@@ -15,7 +15,7 @@ from typing import cast
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from ingest.kafka_io import KafkaSettings
+from ingest.io.kafka import KafkaSettings
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
 

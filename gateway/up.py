@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gateway.config import load_config
 from gateway.main import serve
-from ingest.broker import DEFAULT_PORT, EmbeddedBroker
+from ingest.io.broker import DEFAULT_PORT, EmbeddedBroker
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from schemas.errors import RolloutlakeError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "broker": ("ingest.broker", "run an embedded broker on loopback (Tansu, or Apache Kafka)"),
+    "broker": ("ingest.io.broker", "run an embedded broker on loopback (Tansu, or Apache Kafka)"),
     "schemas": ("schemas.export", "export JSON Schemas of events, print Delta table schemas"),
     "process": ("ingest.processor.main", "run the stream processor (events -> Delta batches)"),
-    "simulate": ("ingest.simulate", "publish simulated rollout runs (load generator)"),
-    "demo": ("ingest.demo", "broker + processor + simulator for 5 steps; prints the steps"),
-    "replay": ("ingest.replay", "re-derive a run's decisions and batches from the events archive"),
-    "audit": ("ingest.audit", "show one group's events, decision and the batch rows it fed"),
+    "simulate": ("ingest.commands.simulate", "publish simulated rollout runs (load generator)"),
+    "demo": ("ingest.commands.demo", "broker + processor + simulator for 5 steps; prints the steps"),
+    "replay": ("ingest.commands.replay", "re-derive a run's decisions and batches from the events archive"),
+    "audit": ("ingest.commands.audit", "show one group's events, decision and the batch rows it fed"),
     "gateway": ("gateway.main", "run the REST gateway (FastAPI)"),
     "up": ("gateway.up", "run the whole local stack: broker, processor, gateway"),
     "trainer": ("trainer.main", "train on sealed batches with DeepSpeed"),
-    "wandb-sync": ("ingest.wandb_sync", "log a run's step metrics to Weights & Biases"),
-    "watch": ("ingest.watch", "live terminal table of a run's steps"),
+    "wandb-sync": ("ingest.commands.wandb_sync", "log a run's step metrics to Weights & Biases"),
+    "watch": ("ingest.commands.watch", "live terminal table of a run's steps"),
     "engine": ("ingest.workers.engine_server", "run vLLM's CPU engine on loopback (tiny policy or a model folder)"),
     "worker": ("ingest.workers.main", "generate rollouts on engines, score them and publish events"),
 }

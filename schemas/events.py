@@ -121,7 +121,7 @@ Reward = Annotated[
     ]}),
 ]
 
-DAPO_FILTER_PATH = "ingest.filters.reward_nonzero_std"
+DAPO_FILTER_PATH = "ingest.core.filters.reward_nonzero_std"
 MILES_DAPO_FILTER_ALIASES = (
     "miles.rollout.filter_hub.common_filters.apply_reward_nonzero_std_filter",
     "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from ingest.broker import ENGINES, EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
 
 
 def pytest_configure(config):

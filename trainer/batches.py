@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import BatchVerificationError
 from schemas.tables import STEPS, TRAINING_BATCHES, content_sha256
 

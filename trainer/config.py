@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ingest.lake import LakePath
+from ingest.io.lake import LakePath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
 

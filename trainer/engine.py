@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import ConfigError
 from trainer.batches import (
     StepBatch,

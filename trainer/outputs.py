@@ -17,8 +17,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake, TxnMark
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake, TxnMark
 from schemas.control import WeightsUpdated
 from schemas.tables import TRAINER_STEPS
 from trainer.config import TrainerConfig

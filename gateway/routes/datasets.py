@@ -25,7 +25,7 @@ from gateway.datasets import (
 from gateway.deps import INT64_MAX, ConfigDep, DatasetNamePath, DatasetsDep, ReadGlobal, WriteGlobal
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
-from ingest.dataset_rows import DatasetOptions
+from ingest.core.dataset_rows import DatasetOptions
 
 router = APIRouter(tags=["datasets"])
 

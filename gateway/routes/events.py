@@ -16,7 +16,7 @@ from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer, Record
 from gateway.responses import AUTH, errors
-from ingest.kafka_io import MAX_EVENT_BYTES
+from ingest.io.kafka import MAX_EVENT_BYTES
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import AnyEvent, encode_event, event_group_key, load_json, parse_event
 

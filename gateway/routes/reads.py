@@ -16,8 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
-from ingest.audit import GroupNotFound, group_audit
-from ingest.lake import Lake
+from ingest.commands.audit import GroupNotFound, group_audit
+from ingest.io.lake import Lake
 
 router = APIRouter(tags=["reads"])
 

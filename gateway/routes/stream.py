@@ -1,6 +1,6 @@
 """Live server-sent event streams of a run: sealed steps with their metrics, group decisions.
 
-One `RunFeed` per run tails the lake (`ingest.tail`) on a single polling task shared by
+One `RunFeed` per run tails the lake (`ingest.io.tail`) on a single polling task shared by
 every viewer of the run, and keeps each event already encoded, so a hundred viewers cost
 one Delta version check per poll and a list slice each. The step stream's event id is
 the step number: a client that reconnects with `Last-Event-ID: s` (browsers do it on
@@ -26,8 +26,8 @@ from fastapi.responses import StreamingResponse
 
 from gateway.deps import LakeDep, ReadRun, RunIdPath
 from gateway.responses import AUTH, errors
-from ingest.lake import Lake
-from ingest.tail import SealedStep, StepTail, TableTail
+from ingest.io.lake import Lake
+from ingest.io.tail import SealedStep, StepTail, TableTail
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from ingest.core.advantages import AdvantageRow, row_advantages
 from ingest.core.bias_metrics import DecidedGroup as BiasGroup
 from ingest.core.bias_metrics import bias_metrics
 from ingest.core.decided import DecidedGroup, DecisionHeader
+from ingest.core.filters import CANCELLED_AT_SEAL
 from ingest.core.metrics import (
     MetricRow,
     batch_metrics,
@@ -31,7 +32,6 @@ from ingest.core.metrics import (
     raw_reward_unfiltered,
 )
 from ingest.core.model import FilterVerdict
-from ingest.filters import CANCELLED_AT_SEAL
 from schemas.events import RunConfig
 from schemas.tables import GROUPS, TRAINING_BATCHES, content_sha256, utc_micros
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ingest.filters import CANCELLED_AT_SEAL
+from ingest.core.filters import CANCELLED_AT_SEAL
 
 # A group decided by timeout never finished either; it counts against completion.
 UNFINISHED_REASONS = frozenset({CANCELLED_AT_SEAL, "group_timeout"})

@@ -28,8 +28,8 @@ from kafka import TopicPartition
 from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
 from ingest.core.decided import DecidedGroup, DecisionHeader, fragments_table
 from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey
-from ingest.lake import Lake, TxnMark
-from ingest.processor.archive import archived_group
+from ingest.io.archive import archived_group
+from ingest.io.lake import Lake, TxnMark
 from ingest.processor.batch_snapshot import (
     BatchSnapshots,
     BatchState,

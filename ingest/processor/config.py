@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import LakePath
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import LakePath
 
 
 class ProcessorConfig(BaseModel):

@@ -28,11 +28,11 @@ from kafka.errors import KafkaTimeoutError
 
 from ingest.core.assembly import GroupBuilder
 from ingest.core.decided import FRAGMENTS, DecidedGroup, fragments_table, header_for
+from ingest.core.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.core.model import FilterVerdict
 from ingest.core.ordering import PartitionClock, TimeoutQueue, micros
-from ingest.filters import FilterArgs, apply_filter_chain, load_filter
-from ingest.kafka_io import key_partition
-from ingest.lake import Lake, TxnMark
+from ingest.io.kafka import key_partition
+from ingest.io.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened, encode_watermark
 from ingest.processor.io import app_id

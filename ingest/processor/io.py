@@ -15,8 +15,8 @@ import orjson
 import pyarrow as pa
 from kafka import TopicPartition
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake, TxnMark
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake, TxnMark
 from schemas.errors import EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
 from schemas.tables import DEAD_LETTERS, RUNS, utc_micros

@@ -19,14 +19,14 @@ import time
 
 from pydantic import ValidationError
 
-from ingest.child_process import die_with_parent
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.commands.wandb_sync import follow_all_runs
+from ingest.io.child_process import die_with_parent
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import write_status
-from ingest.wandb_sync import follow_all_runs
 from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import KafkaTimeoutError
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.health import StageHealth, broker_reachable, topic_id
 from ingest.processor.io import DeadLetters, RunRegistry

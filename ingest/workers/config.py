@@ -140,7 +140,7 @@ class WorkerConfig(BaseModel):
     reward_key: str | None = None
     """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
     dynamic_sampling_filter_path: str | None = None
-    """The run's group filter, sent in `run_started` (e.g. `ingest.filters.reward_nonzero_std`)."""
+    """The run's group filter, sent in `run_started` (e.g. `ingest.core.filters.reward_nonzero_std`)."""
     publish_run_started: bool = True
     """Publish `run_started` with this worker's batch settings before the first group."""
     weight_version: int = Field(default=0, ge=0)

@@ -14,7 +14,7 @@ import orjson
 from kafka import TopicPartition
 from pydantic import ValidationError
 
-from ingest.kafka_io import KafkaSettings
+from ingest.io.kafka import KafkaSettings
 from schemas.control import CONTROL_MODELS, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import IO
 
 import httpx
 
-from ingest.broker import port_is_free
+from ingest.io.broker import port_is_free
 from ingest.workers.config import EngineServerConfig, add_config_arguments, config_from_args
 from ingest.workers.engines import EngineError
 

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import sys
 
-from ingest.dataset_rows import DatasetOptions
-from ingest.filters import load_filter
-from ingest.kafka_io import KafkaSettings
-from ingest.publisher import RolloutPublisher
+from ingest.core.dataset_rows import DatasetOptions
+from ingest.core.filters import load_filter
+from ingest.io.kafka import KafkaSettings
+from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig, add_config_arguments, config_from_args
 from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine

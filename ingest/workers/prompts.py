@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from ingest.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
-from ingest.kafka_io import MAX_EVENT_BYTES
+from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
+from ingest.io.kafka import MAX_EVENT_BYTES
 from schemas.errors import ConfigError
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from ingest.filters import FilterArgs, MilesSample, SampleStatus
-from ingest.publisher import RolloutPublisher
+from ingest.core.filters import FilterArgs, MilesSample, SampleStatus
+from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.engines import Engine, EngineError, Generation, Sampling
 from ingest.workers.prompts import Prompt

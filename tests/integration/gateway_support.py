@@ -22,8 +22,8 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, hash_token, load_config
-from ingest.broker import free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import free_port
+from ingest.io.kafka import KafkaSettings
 
 # token -> (name, scopes, runs)
 TOKENS: dict[str, tuple[str, list[str], list[str] | None]] = {

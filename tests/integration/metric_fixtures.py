@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from ingest.core.bias_metrics import DecidedGroup, bias_metrics
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from schemas.tables import TABLES
 from tests.integration.gateway_support import RunningGateway, gateway_config
 

@@ -8,11 +8,11 @@ from typing import Any
 import orjson
 import pyarrow.compute as pc
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.publisher import RolloutPublisher
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import TABLES
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
+from ingest.io.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
 
 START_TIMEOUT_S = 90.0
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
 from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}

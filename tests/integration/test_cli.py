@@ -12,8 +12,8 @@ import time
 import pytest
 
 from ingest.cli import COMMANDS
-from ingest.lake import Lake
-from ingest.simulate import SimulationConfig, run_simulation
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.lake import Lake
 from tests.integration.pipeline import ordered_kafka, run_processor
 
 

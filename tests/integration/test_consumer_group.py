@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig

@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 import pytest
 from kafka import TopicPartition
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
-from ingest.simulate import SimulationConfig, run_simulation
 from schemas.tables import TABLES
 from tests.integration.pipeline import assert_keys_once, run_processor
 

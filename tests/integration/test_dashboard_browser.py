@@ -17,11 +17,11 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from tests.integration.metric_fixtures import READER_TOKEN, gateway, write_steps
 

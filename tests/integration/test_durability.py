@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.io import RunRegistry
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import RolloutlakeError
 from schemas.events import event_group_key
 from schemas.tables import BATCH_STATE

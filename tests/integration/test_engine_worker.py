@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ingest.broker import free_port
+from ingest.io.broker import free_port
 from ingest.workers.engines import Generation, Sampling, VLLMEngine
 from schemas.control import WeightsUpdated
 from schemas.events import parse_event

@@ -15,13 +15,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from ingest.kafka_io import KafkaSettings, key_partition
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.kafka import KafkaSettings, key_partition
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import EVENTS
 from tests.integration.pipeline import by_group, event, publish, run_processor, sample

@@ -9,8 +9,8 @@ import time
 import orjson
 import pytest
 
-from ingest.broker import ENGINES, EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
 from schemas.events import decode_event
 from tests.integration.gateway_support import (
     RunningGateway,

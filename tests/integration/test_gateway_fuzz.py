@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from ingest.kafka_io import KafkaSettings
+from ingest.io.kafka import KafkaSettings
 from tests.integration.gateway_support import RunningGateway, gateway_config
 
 MAX_EXAMPLES = 12

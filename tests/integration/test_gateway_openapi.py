@@ -15,8 +15,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from ingest.broker import free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import free_port
+from ingest.io.kafka import KafkaSettings
 from tests.integration.gateway_support import RunningGateway, gateway_config, sample_events
 
 BODY_LIMIT = 64 * 1024

@@ -11,8 +11,8 @@ import orjson
 import pyarrow.compute as pc
 import pytest
 
-from ingest.broker import free_port
-from ingest.lake import Lake
+from ingest.io.broker import free_port
+from ingest.io.lake import Lake
 from schemas.events import decode_event
 from tests.integration.gateway_support import (
     GatewayProcess,

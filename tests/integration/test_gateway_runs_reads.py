@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from gateway.config import load_config
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import ConfigError
 from schemas.tables import TABLES
 from tests.integration.gateway_support import RunningGateway, gateway_config

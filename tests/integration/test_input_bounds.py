@@ -10,7 +10,7 @@ import sys
 import orjson
 import pytest
 
-from ingest.publisher import RolloutPublisher
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import EventValidationError
 from tests.integration.gateway_support import (
     RunningGateway,

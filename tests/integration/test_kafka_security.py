@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
 from tests.integration.pipeline import event, publish, rows, sample
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"

@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from ingest.lake import Lake, LakePath, TxnMark
+from ingest.io.lake import Lake, LakePath, TxnMark
 from schemas.errors import ConfigError
 from schemas.tables import STEP_METRICS
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow.compute as pc
 from kafka import TopicPartition
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from ingest.processor.decisions import decision_header
-from ingest.publisher import RolloutPublisher
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.tables import content_sha256
 from tests.integration.pipeline import ordered_kafka, run_processor
 

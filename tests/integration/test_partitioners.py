@@ -8,7 +8,7 @@ import confluent_kafka
 import orjson
 from kafka.partitioner.default import murmur2
 
-from ingest.kafka_io import KafkaSettings, key_partition
+from ingest.io.kafka import KafkaSettings, key_partition
 from tests.integration.pipeline import by_group, event, publish, rows, run_processor, sample
 
 GROUPS = 12

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kafka import KafkaProducer
 
 from ingest.core.assembly import GroupBuilder
-from ingest.kafka_io import KafkaSettings, key_partition
-from ingest.lake import Lake
+from ingest.io.kafka import KafkaSettings, key_partition
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from schemas.events import event_group_key

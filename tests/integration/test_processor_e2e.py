@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pytest
 
 from ingest.core.advantages import rollout_advantages
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.tables import TABLES, content_sha256
 from tests.integration.pipeline import (
     by_group,
@@ -21,7 +21,7 @@ from tests.integration.pipeline import (
 )
 
 DAPO = {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
-        "dynamic_sampling_filter_path": "ingest.filters.reward_nonzero_std"}
+        "dynamic_sampling_filter_path": "ingest.core.filters.reward_nonzero_std"}
 
 
 def started(run_id, group_index, step=0, n=2):
@@ -198,7 +198,7 @@ def test_every_table_holds_each_key_once(scenario):
 def test_a_recreated_topic_is_refused_not_skipped(broker, tmp_path):
     """A lake that consumed a topic refuses the same topic recreated empty (memory broker
     restarted): resuming would skip every new event as already processed."""
-    from ingest.broker import EmbeddedBroker, free_port
+    from ingest.io.broker import EmbeddedBroker, free_port
     from schemas.errors import RolloutlakeError
 
     first = ordered_kafka(broker.bootstrap_servers, "recreated.")

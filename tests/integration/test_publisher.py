@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from ingest.publisher import RolloutPublisher
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import EventTooLargeError, EventValidationError
 from schemas.events import decode_event
 

@@ -18,11 +18,11 @@ import pyarrow.compute as pc
 import pytest
 
 from gateway.datasets import DatasetOptions, DatasetStore
-from ingest.broker import free_port
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake, TxnMark
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.broker import free_port
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake, TxnMark
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import STEP_METRICS
 from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor

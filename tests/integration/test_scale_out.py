@@ -15,10 +15,10 @@ import orjson
 import pyarrow.compute as pc
 import pytest
 
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, open_loop_groups
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
 

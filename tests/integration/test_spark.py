@@ -29,10 +29,10 @@ from bench.spark_metrics import (
     spark_session,
     spark_step_metrics,
 )
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
-from ingest.publisher import RolloutPublisher
-from ingest.simulate import SimulationConfig, run_simulation
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
 from tests.integration.metric_fixtures import contract_table

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from tests.integration.metric_fixtures import (
     READER_TOKEN,
     contract_table,

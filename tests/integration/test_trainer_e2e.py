@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.tables import STEPS
 from tests.integration.trainer_fixtures import random_step, seal_step
 

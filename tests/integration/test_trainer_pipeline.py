@@ -12,7 +12,7 @@ import orjson
 import pyarrow.compute as pc
 import pytest
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.control import WeightsUpdated
 from tests.integration.gateway_support import consume_all
 from tests.integration.pipeline import event, publish, run_processor, sample

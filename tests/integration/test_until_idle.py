@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ingest.lake import Lake
-from ingest.simulate import SimulationConfig, run_simulation
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.lake import Lake
 from tests.integration.pipeline import ordered_kafka, run_processor
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ingest.lake import Lake
-from ingest.simulate import SimulationConfig, run_simulation
-from ingest.wandb_sync import follow_all_runs, last_synced_step, sync_run
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.commands.wandb_sync import follow_all_runs, last_synced_step, sync_run
+from ingest.io.lake import Lake
 from tests.integration.metric_fixtures import step_metric_keys, write_steps
 from tests.integration.pipeline import ordered_kafka, run_processor
 

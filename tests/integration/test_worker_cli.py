@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.broker import free_port
+from ingest.io.broker import free_port
 from trainer.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.tables import STEPS, TRAINING_BATCHES, content_sha256
 
 

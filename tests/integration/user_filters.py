@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ingest.filters import FilterOutput
+from ingest.core.filters import FilterOutput
 
 
 def explode_on_group_3(args, samples, **kwargs):

@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import BatchVerificationError
 from schemas.tables import TRAINING_BATCHES, content_sha256
 from tests.integration.trainer_fixtures import batch_rows, random_step, seal_step

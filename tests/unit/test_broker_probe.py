@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ingest.broker import _answers, free_port
+from ingest.io.broker import _answers, free_port
 
 
 def test_probe_of_a_port_nobody_listens_on_is_silent(caplog):

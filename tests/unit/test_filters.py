@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
-from ingest.filters import (
+from ingest.core.filters import (
     DynamicFilterOutput,
     FilterArgs,
     FilterOutput,
@@ -27,6 +26,7 @@ from ingest.filters import (
     miles_group,
     reward_nonzero_std,
 )
+from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
 from schemas.errors import FilterLoadError
 from schemas.events import DAPO_FILTER_PATH, MILES_DAPO_FILTER_ALIASES, RunConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.lake import Lake, lake_storage_options
+from ingest.io.lake import Lake, lake_storage_options
 from schemas.errors import ConfigError
 
 ENV = {

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ingest.kafka_io import KafkaSettings
+from ingest.io.kafka import KafkaSettings
 from ingest.processor.health import StageHealth
 from schemas.errors import BrokerUnavailableError, RolloutlakeError
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ingest.filters import SampleStatus
+from ingest.core.filters import SampleStatus
 from ingest.workers.rollout import RewardSample, checked_reward, score
 
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
-from ingest.child_process import die_with_parent
+from ingest.io.child_process import die_with_parent
 from schemas.errors import BrokerStartError
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ DEFAULT_PORT = 9092
 READY_TIMEOUT_S = 60.0
 ENGINES = ("tansu", "kafka")
 ENGINE_NAMES = {"tansu": "Tansu", "kafka": "Apache Kafka"}
-KAFKA_DIR = Path(__file__).resolve().parents[1] / "deploy" / "kafka"
+KAFKA_DIR = Path(__file__).resolve().parents[2] / "deploy" / "kafka"
 FETCH_KAFKA = "sh deploy/kafka/fetch.sh"
 KAFKA_HEAP = "-Xmx512m"
 _LOG_TAIL_BYTES = 4096

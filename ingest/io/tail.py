@@ -20,7 +20,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 
 
 class TableTail:

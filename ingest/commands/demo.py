@@ -17,12 +17,12 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
-from ingest.broker import EmbeddedBroker, free_port
-from ingest.kafka_io import KafkaSettings
-from ingest.lake import Lake
+from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.simulate import SimulationConfig, run_simulation
 from schemas.errors import RolloutlakeError
 
 DROP_PREFIX = "rollout/dynamic_filter/drop_"

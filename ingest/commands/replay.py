@@ -29,10 +29,10 @@ from rich.progress import track
 from ingest.core.assembly import GroupBuilder
 from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
 from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.filters import FilterArgs, apply_filter_chain, load_filter
 from ingest.core.model import FilterVerdict
 from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey, TimeoutQueue, micros
-from ingest.filters import FilterArgs, apply_filter_chain, load_filter
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import ConfigError, RolloutlakeError
 from schemas.events import RunConfig, parse_event, run_id_argument
 from schemas.tables import STEP_METRICS, STEPS
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, config: RunConfig,
                  *, kept: bool) -> int:
-    from ingest.demo import step_table
+    from ingest.commands.demo import step_table
 
     started = time.monotonic()
     write_effects(out, args.run, replay_run(source, args.run, config))

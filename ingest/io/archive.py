@@ -7,7 +7,7 @@ import pyarrow.compute as pc
 
 from ingest.core.assembly import GroupBuilder
 from ingest.core.model import Group
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.events import parse_event
 
 

@@ -28,9 +28,9 @@ import orjson
 from kafka import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ingest.kafka_io import KafkaSettings
+from ingest.io.kafka import KafkaSettings
 from ingest.processor.decisions import decision_header
-from ingest.publisher import RolloutPublisher
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import ConfigError, RolloutlakeError
 from schemas.events import DAPO_FILTER_PATH, SCHEMA_VERSION, RunId, event_group_key
 

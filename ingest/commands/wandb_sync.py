@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ingest.lake import Lake, TxnMark
-from ingest.tail import StepTail
+from ingest.io.lake import Lake, TxnMark
+from ingest.io.tail import StepTail
 from schemas.errors import ConfigError, RolloutlakeError
 from schemas.events import run_id_argument
 from schemas.tables import WANDB_SYNC

@@ -19,7 +19,7 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
-from ingest.kafka_io import MAX_EVENT_BYTES, KafkaSettings
+from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings
 from schemas.errors import BrokerUnavailableError, EventTooLargeError
 from schemas.events import (
     SCHEMA_VERSION,

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
-from ingest.lake import Lake
+from ingest.io.lake import Lake
 from schemas.errors import RolloutlakeError
 from schemas.events import run_id_argument
 from schemas.tables import TRAINING_BATCHES

@@ -1,6 +1,6 @@
 """`rolloutlake watch`: a live terminal table of a run's sealed steps, for remote shells.
 
-Tails `steps` and `step_metrics` (ingest.tail) and redraws the latest steps with the
+Tails `steps` and `step_metrics` (ingest.io.tail) and redraws the latest steps with the
 numbers an RL engineer checks first: kept vs dropped groups, the three reward readings,
 the completion bias and the over-sampling cost.
 """
@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from ingest.lake import Lake
-from ingest.tail import SealedStep, StepTail
+from ingest.io.lake import Lake
+from ingest.io.tail import SealedStep, StepTail
 from schemas.errors import ConfigError
 from schemas.events import run_id_argument
 
