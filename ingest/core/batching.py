@@ -89,6 +89,10 @@ class RunBatcher:
         self.sealed: dict[int, float] = {}  # step -> sealed_at
         self.closed: set[int] = set()
         self.kept: dict[int, list[DecidedGroup]] = {}  # open step -> kept groups
+        # open step -> the run's config when the step got its first kept group: a later
+        # run_started applies to the steps opened after it, so an open step never waits
+        # for a batch size that its members already passed.
+        self.step_configs: dict[int, RunConfig] = {}
         self.windows: dict[int, StepWindow] = {}
         self.opened: set[int] = set()
 
@@ -144,8 +148,9 @@ class RunBatcher:
         effects.samples.append(_sample_rows(header, group.fragments, decision, reason))
         if batch_step is not None:
             members = self.kept.setdefault(batch_step, [])
+            config = self.step_configs.setdefault(batch_step, self.config)
             members.append(group)
-            if len(members) == self.config.rollout_batch_size:
+            if len(members) == config.rollout_batch_size:
                 effects.extend(self._seal(batch_step, now))
         return effects
 
@@ -182,9 +187,10 @@ class RunBatcher:
 
     def _seal(self, step: int, now: float) -> Effects:
         members = self.kept.pop(step)
+        config = self.step_configs.pop(step)
         self.sealed[step] = now
         members.sort(key=_batch_order)
-        rows = _training_rows(self.run_id, step, members, self.config)
+        rows = _training_rows(self.run_id, step, members, config)
         sealed = SealedStep(
             step=step,
             rows=rows,
@@ -199,8 +205,8 @@ class RunBatcher:
             window.sealed_at = now
             window.batch = batch_metrics(
                 _metric_rows(members),
-                reward_key=self.config.reward_key,
-                advantage_estimator=self.config.advantage_estimator,
+                reward_key=config.reward_key,
+                advantage_estimator=config.advantage_estimator,
             )
         effects = Effects(sealed=[sealed])
         # A sealed step closes once any later step has sealed; steps may seal out of order
