@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from ingest.core.batching import RunBatcher
 from ingest.core.ordering import DecisionMerge
 from ingest.io.lake import Lake, TxnMark
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from schemas.tables import BATCH_STATE, utc_micros
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from ingest.processor.decisions import (
     opened_notice,
     watermark_notice,
 )
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.control import StepSealed
 from schemas.errors import RolloutlakeError

@@ -34,7 +34,7 @@ from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened, encode_watermark
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError
 from schemas.events import (
