@@ -17,8 +17,8 @@ from wandb.proto import wandb_internal_pb2
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.lake import Lake
 from ingest.processor.wandb_sink import follow_all_runs, last_synced_step, sync_run
-from tests.integration.metric_fixtures import step_metric_keys, write_steps
 from tests.integration.pipeline import ordered_kafka, run_processor
+from tests.support.metric_fixtures import step_metric_keys, write_steps
 
 RUN = "dapo-wb"
 BLOCK = 32 * 1024

@@ -8,7 +8,7 @@ from ingest.core.decide import decide, reason_at_seal
 from ingest.core.model import Fragment, Group, Rollout
 from schemas.events import DAPO_FILTER_PATH, RunConfig
 
-FILTERS = "tests.integration.user_filters"
+FILTERS = "tests.support.user_filters"
 
 
 def _group(*rewards: float, aborts: tuple[tuple[str, float | None], ...] = ()) -> Group:

@@ -20,7 +20,7 @@ from ingest.core.bias_metrics import GroupSummary, bias_metrics
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from schemas.tables import TABLES
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 
