@@ -171,11 +171,14 @@ def run(args: argparse.Namespace) -> int:
 def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, config: RunConfig,
                  *, kept: bool) -> int:
     started = time.monotonic()
-    write_effects(out, args.run, replay_run(source, args.run, config))
+    effects = replay_run(source, args.run, config)
+    write_effects(out, args.run, effects)
+    seconds = time.monotonic() - started
     console = Console()
     console.print(step_table(out, args.run))
     where = f"into {out.root}" if kept else "(pass --out DIR to keep the tables)"
-    console.print(f"re-derived in {time.monotonic() - started:.1f} s {where}")
+    decided = sum(len(e.groups) for e in effects)
+    console.print(f"re-derived {decided} groups in {seconds:.1f} s {where}")
     if not args.check:
         return 0
     differences = compare(source, out, args.run)
