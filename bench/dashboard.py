@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ingest.io.broker import EmbeddedBroker, free_port  # noqa: E402
 from ingest.io.kafka import KafkaSettings  # noqa: E402
 from ingest.io.lake import Lake  # noqa: E402
-from tests.integration.metric_fixtures import READER_TOKEN, gateway, write_steps  # noqa: E402
+from tests.support.metric_fixtures import READER_TOKEN, gateway, write_steps  # noqa: E402
 
 RUN = "bench-10k"
 AUTH = {"Authorization": f"Bearer {READER_TOKEN}"}

@@ -9,7 +9,10 @@ goes through four paths on this machine, one after the other:
   2. bare Kafka: kafka-python produce + consume of the same bytes (the ceiling);
   3. rolloutlake: publish -> `rolloutlake process` (a separate process) -> sealed batches in
      Delta, timed from the first publish to the last `steps` row;
-  4. latency: the same pipeline paced below capacity; p50/p99 from a group's last event to
+  4. replay: `rolloutlake replay` of path 3's run from its `events` archive into a fresh
+     lake (the live processor's core over the archive), in events per second beside the
+     live processor's;
+  5. latency: the same pipeline paced below capacity; p50/p99 from a group's last event to
      its `groups` row, and from a step's last kept group to its `steps` row.
 """
 
@@ -29,6 +32,7 @@ import orjson
 import pyarrow.compute as pc
 from kafka import TopicPartition
 
+from ingest.commands.replay import archived_config, replay_run, write_effects
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
@@ -173,6 +177,14 @@ def run_pipeline(kafka: KafkaSettings, sim: SimulationConfig, groups: list[list[
     return elapsed, sent_at, watcher
 
 
+def bench_replay(lake_root: str, run_id: str, out_root: str) -> float:
+    """Seconds `rolloutlake replay` takes to re-derive the run into a fresh lake."""
+    lake = Lake(lake_root)
+    start = time.perf_counter()
+    write_effects(Lake(out_root), run_id, replay_run(lake, run_id, archived_config(lake, run_id)))
+    return time.perf_counter() - start
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -207,6 +219,7 @@ def main() -> None:
         sealed = Lake(str(folder / "lake")).read("steps", columns=["n_tokens"],
                                               filter=pc.field("run_id") == sim.run_id)
         steps = sealed.num_rows
+        replay_s = bench_replay(str(folder / "lake"), sim.run_id, str(folder / "replayed"))
         paced = sim.model_copy(update={"steps": args.latency_steps, "seed": 4})
         _, sent_at, lat = run_pipeline(settings("lat."), paced, stream(paced),
                                        str(folder / "lake-latency"), pace_s=0.05,
@@ -228,7 +241,10 @@ def main() -> None:
                           ("rolloutlake publish -> sealed", pipe_s)):
         print(f"{name:<34}{seconds:>9.2f}{samples / seconds:>12,.0f}{tokens / seconds:>16,.0f}"
               f"{bare_s / seconds:>14.2f}x")
-    print(f"\nsealed steps: {steps} ({int(pc.sum(sealed.column('n_tokens')).as_py() or 0):,} "
+    events = sum(len(e) for e in groups)
+    print(f"\nevents/s, live processor (publish -> sealed): {events / pipe_s:,.0f}; "
+          f"replay from the archive: {events / replay_s:,.0f} ({replay_s:.2f} s)")
+    print(f"sealed steps: {steps} ({int(pc.sum(sealed.column('n_tokens')).as_py() or 0):,} "
           "tokens in batches)")
     print(f"latency, group's last event -> groups row in Delta: {percentiles(decided)}")
     print(f"latency, step's last kept group -> steps row:       {percentiles(sealed_lat)}")

@@ -42,11 +42,11 @@ import pyarrow.compute as pc  # noqa: E402
 from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
-from ingest.core.filters import CANCELLED_AT_SEAL  # noqa: E402
+from ingest.core.reasons import CANCELLED_AT_SEAL, GROUP_TIMEOUT  # noqa: E402
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
-NOT_OFFERED = "group_timeout"  # decided by the timeout, never offered to the filter chain
+NOT_OFFERED = GROUP_TIMEOUT  # decided by the timeout, never offered to the filter chain
 
 # Keys the job computes exactly; step_metrics keys outside these are the processor's alone
 # (timing, prompts issued, bias-aware keys) and are not compared.

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ingest.io.lake import Lake  # noqa: E402
 from schemas.tables import TRAINING_BATCHES, content_sha256  # noqa: E402
-from tests.integration.trainer_fixtures import seal_step  # noqa: E402
+from tests.support.trainer_fixtures import seal_step  # noqa: E402
 from trainer.batches import StepFollower, load_step, read_sealed_rows, tensorize  # noqa: E402
 
 RUN = "bench"

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SealedStep:
+class StepRow:
     """The `steps` row of one sealed step: where its batch is and what it must hash to."""
 
     run_id: str
@@ -37,7 +37,7 @@ class SealedStep:
     n_samples: int
 
     @classmethod
-    def from_row(cls, row: dict) -> SealedStep:
+    def from_row(cls, row: dict) -> StepRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 
@@ -49,15 +49,15 @@ class StepFollower:
         self.run_id = run_id
         self.poll_interval_s = poll_interval_s
 
-    def sealed(self, step: int) -> SealedStep | None:
+    def sealed(self, step: int) -> StepRow | None:
         rows = read_run_step(self.lake, STEPS.name, self.run_id, step).to_pylist()
         if len(rows) > 1:
             raise BatchVerificationError(
                 f"run {self.run_id} step {step}: the steps table holds {len(rows)} rows, expected 1"
             )
-        return SealedStep.from_row(rows[0]) if rows else None
+        return StepRow.from_row(rows[0]) if rows else None
 
-    def wait_for(self, step: int | None, *, idle_timeout_s: float | None) -> SealedStep | None:
+    def wait_for(self, step: int | None, *, idle_timeout_s: float | None) -> StepRow | None:
         """Block until `step` (or, when None, the lowest step of the run) is sealed.
 
         Returns None once `idle_timeout_s` passed without it.
@@ -96,7 +96,7 @@ def read_run_step(
     return rows if pc.all(match).as_py() else rows.filter(match)
 
 
-def read_sealed_rows(lake: Lake, sealed: SealedStep) -> pa.Table:
+def read_sealed_rows(lake: Lake, sealed: StepRow) -> pa.Table:
     """The step's `training_batches` rows at its recorded version, in position order, with
     row count and positions checked; `load_step` adds the content hash."""
     try:
@@ -125,7 +125,7 @@ def read_sealed_rows(lake: Lake, sealed: SealedStep) -> pa.Table:
     return rows
 
 
-def _where(sealed: SealedStep) -> str:
+def _where(sealed: StepRow) -> str:
     return (
         f"run {sealed.run_id} step {sealed.step} (training_batches version {sealed.batch_version})"
     )
@@ -275,7 +275,7 @@ def tensorize(rows: pa.Table, step: int) -> StepBatch:
     )
 
 
-def load_step(lake: Lake, sealed: SealedStep) -> StepBatch:
+def load_step(lake: Lake, sealed: StepRow) -> StepBatch:
     """Read, verify and tensorise a sealed step; the tensors are returned only if the rows
     hash to the recorded `content_sha256`.
 

@@ -13,19 +13,16 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.compute as pc
 from rich.console import Console
-from rich.table import Table
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.commands.step_table import step_table
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from schemas.errors import RolloutlakeError
-
-DROP_PREFIX = "rollout/dynamic_filter/drop_"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,40 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=32, help="kept groups per step")
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-
-
-def _label(reason: str) -> str:
-    return (reason.removeprefix("group_has_").replace("missing_reward", "no reward")
-            .replace("zero_std_", "all "))
-
-
-def step_table(lake: Lake, run_id: str) -> Table:
-    """One row per sealed step: kept, drops by reason, and the three reward curves."""
-    metrics = lake.read("step_metrics", filter=pc.field("run_id") == run_id).to_pylist()
-    by_step: dict[int, dict[str, float]] = {}
-    for row in metrics:
-        by_step.setdefault(row["step"], {})[row["key"]] = row["value"]
-    reasons = sorted({k[len(DROP_PREFIX):] for m in by_step.values() for k in m
-                      if k.startswith(DROP_PREFIX)})
-    table = Table(title=f"run {run_id}: sealed steps (dropped groups by reason)")
-    for column in ["step", "kept", *[_label(r) for r in reasons], "surplus",
-                   "cancelled", "raw_reward", "raw_reward\nunfiltered", "episode\nraw_reward"]:
-        table.add_column(column, justify="right")
-
-    def num(m: dict[str, float], key: str, fmt: str = "{:.0f}") -> str:
-        return fmt.format(m[key]) if key in m else "-"
-
-    for step in sorted(by_step):
-        m = by_step[step]
-        table.add_row(
-            str(step), num(m, "rollout/groups_kept"),
-            *[num(m, DROP_PREFIX + r) for r in reasons],
-            num(m, "rollout/groups_surplus"), num(m, "rollout/groups_cancelled"),
-            num(m, "rollout/raw_reward", "{:.3f}"),
-            num(m, "rollout/raw_reward_unfiltered", "{:.3f}"),
-            num(m, "rollout/episode_raw_reward", "{:.3f}"),
-        )
-    return table
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,18 +5,20 @@ batching, metrics) runs over it again, optionally under another filter, reward k
 batch size, and writes the derived tables into another lake. Same settings, same archive:
 the same batches, which `--check` verifies against the original `steps` hashes.
 
-Order: each events partition is re-read in offset order with the event times the
-processor archived, so groups complete and time out exactly where they did live; the
-batcher then applies opened groups and decisions in `OrderKey` order, the order the batch
-stage applies them in (`ingest.core.ordering`), with any number of partitions.
+Same code path as the live processor: each events partition is folded in offset order
+with the event times the processor archived (`fold_partition`, as the group stage does
+after a restart), so groups complete and time out where they did live; each group is
+decided by `ingest.core.decide`, and `RunBatcher.apply` takes the opened groups and
+decisions in `OrderKey` order, the order the batch stage's `DecisionMerge` releases them
+in, with any number of partitions.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,127 +28,72 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import track
 
-from ingest.core.assembly import GroupBuilder
-from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
-from ingest.core.decided import DecidedGroup, fragments_table, header_for
-from ingest.core.filters import FilterArgs, apply_filter_chain, load_filter
-from ingest.core.model import FilterVerdict
-from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey, TimeoutQueue, micros
+from ingest.commands.step_table import step_table
+from ingest.core.assembly import fold_partition
+from ingest.core.batching import Effects, RunBatcher
+from ingest.core.decide import decide
+from ingest.core.decided import DecidedGroup, Opened
+from ingest.core.filters import load_filter
+from ingest.core.ordering import DecisionMerge, micros
+from ingest.core.rows import groups_table, metric_rows, steps_row
+from ingest.io.archive import read_archive
 from ingest.io.lake import Lake
 from schemas.errors import ConfigError, RolloutlakeError
-from schemas.events import RunConfig, parse_event, run_id_argument
+from schemas.events import RunConfig, run_id_argument
 from schemas.tables import STEP_METRICS, STEPS
 
 
 def archived_config(lake: Lake, run_id: str) -> RunConfig:
     """The run's config from its last archived `run_started` event."""
-    table = lake.read("events", columns=["offset", "payload"],
-                      filter=(pc.field("run_id") == run_id) & (pc.field("type") == "run_started"))
-    if table.num_rows == 0:
+    rows = read_archive(lake, (pc.field("run_id") == run_id) & (pc.field("type") == "run_started"))
+    if not rows:
         raise ConfigError(f"run {run_id} has no archived run_started; pass --config FILE")
-    payload = table.sort_by("offset").column("payload")[-1].as_py()
-    return RunConfig.model_validate(orjson.loads(payload)["config"])
+    return RunConfig.model_validate(orjson.loads(rows[-1].payload)["config"])
 
 
-@dataclass
-class ArchivedGroup:
-    """A group re-assembled from the archive, with the event time it is ordered by."""
+def archived_items(lake: Lake, run_id: str, config: RunConfig) -> list[Opened | DecidedGroup]:
+    """What the group stage published for the run (opened groups and decisions, with the
+    same order keys), re-derived from the archive under `config`.
 
-    builder: GroupBuilder
-    at_us: int  # completing event; for a timeout, first event + group_timeout_s
-    partition: int
-    offset: int  # of the completing event; -1 for a timeout
-    complete: bool = False
-    started: tuple[int, int] | None = None  # event time and offset of its group_started
-
-
-def archived_groups(lake: Lake, run_id: str, timeout_s: float) -> list[ArchivedGroup]:
-    """Groups of the run rebuilt from the archive as the group stage built them: per
-    events partition in offset order, timed out once the partition's event time passed
-    first event + `timeout_s`. Groups still open at the end of the archive are timed out
-    at their deadline; groups never started are left out (the processor dead-letters them)."""
-    archive = lake.read("events",
-                        filter=(pc.field("run_id") == run_id) & (pc.field("type") != "run_started"),
-                        columns=["group_index", "topic", "partition", "offset", "ingested_at",
-                                 "event_time", "payload"])
-    if archive.num_rows == 0:
+    Each events partition is folded in offset order as the group stage folds it after a
+    restart (`fold_partition`); a group complete in the archive is decided at its
+    completing event, any other at first event + `group_timeout_s` (the archive holds no
+    event the group stage refused after a timeout). Groups never started are left out:
+    the processor dead-letters them.
+    """
+    rows = read_archive(lake, (pc.field("run_id") == run_id) & (pc.field("type") != "run_started"))
+    if not rows:
         raise RolloutlakeError(f"run {run_id} has no events in {lake.root}/events")
-    archive = archive.sort_by([("topic", "ascending"), ("partition", "ascending"),
-                               ("offset", "ascending")])
-    timeout_us = micros(timeout_s)
-    out: list[ArchivedGroup] = []
-    open_groups: dict[int, ArchivedGroup] = {}
-    decided: set[int] = set()
-    queues: dict[tuple[str, int], TimeoutQueue] = {}
-
-    def expire(queue: TimeoutQueue, watermark_us: int) -> None:
-        for deadline_us, _run, group_index in queue.due(watermark_us, lambda _r: timeout_us):
-            found = open_groups.get(group_index)
-            if found is not None and not found.complete:
-                found.at_us, found.offset = deadline_us, -1
-                out.append(open_groups.pop(group_index))
-                decided.add(group_index)
-
-    for group_index, topic, partition, offset, ingested_at, event_time, payload in zip(
-        *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
-    ):
-        at_us = micros((event_time or ingested_at).timestamp())
-        queue = queues.setdefault((topic, partition), TimeoutQueue())
-        found = open_groups.get(group_index)
-        if found is None:
-            if group_index in decided:
-                continue  # the processor refused events of a decided group
-            found = open_groups[group_index] = ArchivedGroup(
-                GroupBuilder(run_id, group_index, at_us / 1e6), at_us, partition, -1)
-            queue.add(run_id, group_index, at_us)
-        event = parse_event(orjson.loads(payload))
-        found.builder.apply(event)
-        if event.type == "group_started":
-            found.started = (at_us, offset)
-        if found.builder.group.complete:
-            found.at_us, found.offset, found.complete = at_us, offset, True
-            out.append(open_groups.pop(group_index))
-            decided.add(group_index)
-        expire(queue, at_us)
-    for found in open_groups.values():
-        found.at_us = micros(found.builder.group.first_event_at) + timeout_us
-        found.offset = -1
-        out.append(found)
-    return [g for g in out if g.builder.group.started]
+    timeout_us = micros(config.group_timeout_s)
+    items: list[Opened | DecidedGroup] = []
+    for (_topic, partition), archived in itertools.groupby(rows, lambda r: (r.topic, r.partition)):
+        for folded in fold_partition(archived, lambda _run, _group: False).values():
+            group = folded.builder.group
+            if folded.started is None:
+                continue
+            started_us, started_offset = folded.started
+            items.append(Opened(run_id, group.group_index, group.step, started_us, partition,
+                                started_offset))
+            if folded.completed is not None:
+                at_us, offset = folded.completed
+            else:
+                at_us, offset = folded.first_us + timeout_us, -1
+            decided = decide(group, config, at_us=at_us,
+                             source={"partition": partition, "offset": offset},
+                             decided_at=at_us / 1e6, timed_out=folded.completed is None)
+            items.append(decided.group)
+    return items
 
 
 def replay_run(lake: Lake, run_id: str, config: RunConfig) -> list[Effects]:
-    """Decide and batch every archived group of the run under `config`, in the order the
-    batch stage applies them."""
+    """Decide and batch every archived group of the run under `config`, applied in
+    `OrderKey` order as the batch stage applies them."""
     batcher = RunBatcher(run_id, config)
-    args = FilterArgs.from_config(config)
-    user_filter = load_filter(config.resolved_filter_path)
     merge = DecisionMerge(partitions=0)
-    for found in archived_groups(lake, run_id, config.group_timeout_s):
-        gi = found.builder.group.group_index
-        if found.started is not None:
-            at_us, offset = found.started
-            merge.add(OrderKey(at_us, found.partition, offset, OPENED, run_id, gi), found)
-        merge.add(OrderKey(found.at_us, found.partition, found.offset, DECIDED, run_id, gi),
-                  found)
-    effects: list[Effects] = []
-    for key, found in track(merge.drain(), description=f"replaying {run_id}", transient=True):
-        group = found.builder.group
-        if key.kind == OPENED:
-            batcher.open(group.group_index, group.step, key.at_us / 1e6)
-            continue
-        if not found.complete:
-            verdict, offered = FilterVerdict(False, "group_timeout"), False
-        else:
-            try:
-                verdict = apply_filter_chain(args, group, user_filter)
-            except Exception:  # noqa: BLE001 - the processor records these as filter_error
-                verdict = FilterVerdict(False, "filter_error")
-            offered = True
-        header = header_for(group, verdict, decided_at=key.at_us / 1e6, source={},
-                            at_us=key.at_us, offered=offered)
-        fragments = fragments_table(group, config.reward_key, with_tokens=verdict.keep)
-        effects.append(batcher.offer(DecidedGroup(header, fragments), now=key.at_us / 1e6))
+    for item in archived_items(lake, run_id, config):
+        merge.add(item.order_key(), item)
+    effects = [batcher.apply(item) for _key, item in
+               track(merge.drain(), description=f"replaying {run_id}", transient=True)]
     effects.append(batcher.flush())
     return effects
 
@@ -181,7 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="lake to write the derived tables to (default: a temporary "
                                       "one, removed when replay ends)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 unless every re-derived step hash equals the original")
+                        help="exit 1 unless every re-derived step hash, group decision and "
+                             "step metric equals the original")
 
 
 def _config(args: argparse.Namespace, source: Lake) -> RunConfig:
@@ -222,24 +170,53 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, config: RunConfig,
                  *, kept: bool) -> int:
-    from ingest.commands.demo import step_table
-
     started = time.monotonic()
-    write_effects(out, args.run, replay_run(source, args.run, config))
+    effects = replay_run(source, args.run, config)
+    write_effects(out, args.run, effects)
+    seconds = time.monotonic() - started
     console = Console()
     console.print(step_table(out, args.run))
     where = f"into {out.root}" if kept else "(pass --out DIR to keep the tables)"
-    console.print(f"re-derived in {time.monotonic() - started:.1f} s {where}")
+    decided = sum(len(e.groups) for e in effects)
+    console.print(f"re-derived {decided} groups in {seconds:.1f} s {where}")
     if not args.check:
         return 0
-    original = {r["step"]: r["content_sha256"]
-                for r in source.read("steps", filter=pc.field("run_id") == args.run).to_pylist()}
-    derived = {r["step"]: r["content_sha256"]
-               for r in out.read("steps", filter=pc.field("run_id") == args.run).to_pylist()}
-    if original == derived:
-        console.print(f"check: all {len(derived)} steps equal the original hashes")
+    differences = compare(source, out, args.run)
+    if not differences:
+        console.print(f"check: every step hash, decision and metric equals the original "
+                      f"({len(_by_key(out, 'steps', args.run))} steps)")
         return 0
-    differing = sorted(s for s in original.keys() | derived.keys()
-                       if original.get(s) != derived.get(s))
-    console.print(f"check: steps {differing} differ from the original")
+    for what, keys in differences.items():
+        more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+        shown = ", ".join(map(str, keys[:10])) + more
+        console.print(f"check: {what} differ from the original: {shown}")
     return 1
+
+
+# What --check compares: each table's key -> the columns that must be equal.
+_COMPARED = {
+    "steps": (("step",), ("content_sha256",)),
+    "groups": (("group_index",), ("decision", "reason", "batch_step", "step", "n_fragments",
+                                  "mean_reward", "ordered_at")),
+    "step_metrics": (("step", "key"), ("value",)),
+}
+
+
+def _by_key(lake: Lake, table: str, run_id: str) -> dict[tuple, tuple]:
+    key, values = _COMPARED[table]
+    rows = lake.read(table, filter=pc.field("run_id") == run_id,
+                     columns=[*key, *values]).to_pylist()
+    return {tuple(r[c] for c in key): tuple(r[c] for c in values) for r in rows}
+
+
+def compare(original: Lake, derived: Lake, run_id: str) -> dict[str, list]:
+    """Keys whose rows differ between the two lakes, per table: `steps` (the content
+    hash), `groups` (decision, reason, step, batch step, fragments, mean reward, order
+    time) and `step_metrics` (every value); empty when the replay equals the original."""
+    out = {}
+    for table in _COMPARED:
+        a, b = _by_key(original, table, run_id), _by_key(derived, table, run_id)
+        differing = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if differing:
+            out[table] = [k[0] if len(k) == 1 else k for k in differing]
+    return out

@@ -7,11 +7,13 @@ whole or not at all, so a rejected event never half-changes a group.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from ingest.core.model import Fragment, Group, Rollout
 from schemas.events import (
+    AnyEvent,
     CompactionFragment,
     GroupStarted,
     RewardEvent,
@@ -211,8 +213,49 @@ def _apply_aborted(rollout: Rollout, event: SampleAborted) -> ApplyResult:
     return APPLIED
 
 
-def assemble(run_id: str, group_index: int, events: list[TrajectoryEvent],
-             first_event_at: float = 0.0) -> tuple[GroupBuilder, list[ApplyResult]]:
-    """Replay: fold archived events of one group, in archive order, into a builder."""
-    builder = GroupBuilder(run_id, group_index, first_event_at)
-    return builder, [builder.apply(e) for e in events]
+class ArchivedRow(Protocol):
+    """An archived event as `fold_partition` reads it (`ingest.io.archive.ArchivedEvent`)."""
+
+    run_id: str
+    group_index: int | None
+    offset: int
+    at_us: int
+
+    def event(self) -> AnyEvent: ...
+
+
+@dataclass(slots=True)
+class FoldedGroup:
+    """A group folded from one partition's archived events."""
+
+    builder: GroupBuilder
+    first_us: int  # event time of its first archived event
+    started: tuple[int, int] | None = None  # (event time, offset) of its group_started
+    completed: tuple[int, int] | None = None  # (event time, offset) of the event completing it
+
+
+def fold_partition(rows: Iterable[ArchivedRow],
+                   skip: Callable[[str, int], bool]) -> dict[tuple[str, int], FoldedGroup]:
+    """Fold one events partition's archived trajectory events, in offset order, into
+    groups, as the group stage assembled them: the groups in order of their first event.
+
+    The archive holds only events the group stage accepted, so every event applies as it
+    did live. Groups `skip(run_id, group_index)` names (decided or dead-lettered) are left
+    out without parsing their events.
+    """
+    groups: dict[tuple[str, int], FoldedGroup] = {}
+    for row in rows:
+        key = (row.run_id, row.group_index)
+        if row.group_index is None or skip(*key):
+            continue
+        folded = groups.get(key)
+        if folded is None:
+            folded = groups[key] = FoldedGroup(
+                GroupBuilder(row.run_id, row.group_index, row.at_us / 1e6), row.at_us)
+        event = row.event()
+        folded.builder.apply(event)
+        if isinstance(event, GroupStarted):
+            folded.started = (row.at_us, row.offset)
+        if folded.completed is None and folded.builder.group.complete:
+            folded.completed = (row.at_us, row.offset)
+    return groups

@@ -12,7 +12,6 @@ bias-aware counts of a step describe that step.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +19,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.core.advantages import AdvantageRow, row_advantages
-from ingest.core.bias_metrics import DecidedGroup as BiasGroup
-from ingest.core.bias_metrics import bias_metrics
-from ingest.core.decided import DecidedGroup, DecisionHeader
-from ingest.core.filters import CANCELLED_AT_SEAL
+from ingest.core.bias_metrics import GroupSummary, bias_metrics
+from ingest.core.decide import reason_at_seal
+from ingest.core.decided import DecidedGroup, DecisionHeader, Opened
 from ingest.core.metrics import (
     MetricRow,
     batch_metrics,
@@ -32,19 +29,10 @@ from ingest.core.metrics import (
     raw_reward_unfiltered,
 )
 from ingest.core.model import FilterVerdict
+from ingest.core.reasons import CANCELLED_AT_SEAL
+from ingest.core.rows import SealedBatch, group_row, sample_rows, training_rows
 from schemas.events import RunConfig
-from schemas.tables import GROUPS, TRAINING_BATCHES, content_sha256, utc_micros
-
-
-@dataclass(slots=True)
-class SealedStep:
-    step: int
-    rows: pa.Table  # training_batches rows in position order
-    n_groups: int
-    n_rollouts: int
-    n_tokens: int
-    sealed_at: float
-    content_sha256: str
+from schemas.tables import content_sha256
 
 
 @dataclass(slots=True)
@@ -56,7 +44,7 @@ class StepWindow:
     offered: int = 0
     kept: int = 0
     surplus: int = 0
-    decided: list[BiasGroup] = field(default_factory=list)
+    decided: list[GroupSummary] = field(default_factory=list)
     issued: int = 0  # group_started notices for the step
     first_event_at: float | None = None
     batch: dict[str, float] = field(default_factory=dict)
@@ -69,7 +57,7 @@ class Effects:
 
     groups: list[dict[str, Any]] = field(default_factory=list)
     samples: list[pa.Table] = field(default_factory=list)
-    sealed: list[SealedStep] = field(default_factory=list)
+    sealed: list[SealedBatch] = field(default_factory=list)
     closed: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def extend(self, other: Effects) -> None:
@@ -89,6 +77,10 @@ class RunBatcher:
         self.sealed: dict[int, float] = {}  # step -> sealed_at
         self.closed: set[int] = set()
         self.kept: dict[int, list[DecidedGroup]] = {}  # open step -> kept groups
+        # open step -> the run's config when the step got its first kept group: a later
+        # run_started applies to the steps opened after it, so an open step never waits
+        # for a batch size that its members already passed.
+        self.step_configs: dict[int, RunConfig] = {}
         self.windows: dict[int, StepWindow] = {}
         self.opened: set[int] = set()
 
@@ -108,6 +100,14 @@ class RunBatcher:
 
     # -- transitions ---------------------------------------------------------------------
 
+    def apply(self, item: Opened | DecidedGroup) -> Effects:
+        """Apply one item in `OrderKey` order, as the batch stage and replay do; a
+        decision seals at the event time it is ordered by."""
+        if isinstance(item, Opened):
+            self.open(item.group_index, item.step, item.at_us / 1e6)
+            return Effects()
+        return self.offer(item, now=item.header.ordered_at)
+
     def open(self, group_index: int, step: int, at: float) -> None:
         """A group was issued for `step` (its group_started was archived)."""
         if group_index in self.opened:
@@ -126,26 +126,22 @@ class RunBatcher:
         if header.group_index in self.decided:
             return effects
         self.decided.add(header.group_index)
-        decision, reason, batch_step = header.decision, header.reason, None
         step = header.step
-        if decision == "dropped" and reason == "group_has_aborted" and step is not None:
-            sealed_at = self.sealed.get(step)
-            if header.cancel_min_ts is not None and sealed_at is not None and (
-                header.cancel_min_ts >= sealed_at
-            ):
-                reason = CANCELLED_AT_SEAL
+        decision, batch_step = header.decision, None
+        reason = reason_at_seal(header, None if step is None else self.sealed.get(step))
         if decision == "kept":
             assert step is not None  # kept groups always had their group_started
             batch_step = self.target_step(step)
             if batch_step is None:
                 decision = "surplus"
         self._account(header, group.fragments, decision, reason)
-        effects.groups.append(_group_row(header, decision, reason, batch_step, group.fragments))
-        effects.samples.append(_sample_rows(header, group.fragments, decision, reason))
+        effects.groups.append(group_row(header, decision, reason, batch_step, group.fragments))
+        effects.samples.append(sample_rows(header, group.fragments, decision, reason))
         if batch_step is not None:
             members = self.kept.setdefault(batch_step, [])
+            config = self.step_configs.setdefault(batch_step, self.config)
             members.append(group)
-            if len(members) == self.config.rollout_batch_size:
+            if len(members) == config.rollout_batch_size:
                 effects.extend(self._seal(batch_step, now))
         return effects
 
@@ -159,7 +155,7 @@ class RunBatcher:
         if window.first_event_at is None or header.first_event_at < window.first_event_at:
             window.first_event_at = header.first_event_at
         window.decided.append(
-            BiasGroup(decision, reason, fragments.column("response_length").to_pylist(),
+            GroupSummary(decision, reason, fragments.column("response_length").to_pylist(),
                       fragments.column("status").to_pylist(),
                       cancelled_at_seal=reason == CANCELLED_AT_SEAL)
         )
@@ -182,10 +178,11 @@ class RunBatcher:
 
     def _seal(self, step: int, now: float) -> Effects:
         members = self.kept.pop(step)
+        config = self.step_configs.pop(step)
         self.sealed[step] = now
         members.sort(key=_batch_order)
-        rows = _training_rows(self.run_id, step, members, self.config)
-        sealed = SealedStep(
+        rows = training_rows(self.run_id, step, members, config)
+        sealed = SealedBatch(
             step=step,
             rows=rows,
             n_groups=len(members),
@@ -199,8 +196,8 @@ class RunBatcher:
             window.sealed_at = now
             window.batch = batch_metrics(
                 _metric_rows(members),
-                reward_key=self.config.reward_key,
-                advantage_estimator=self.config.advantage_estimator,
+                reward_key=config.reward_key,
+                advantage_estimator=config.advantage_estimator,
             )
         effects = Effects(sealed=[sealed])
         # A sealed step closes once any later step has sealed; steps may seal out of order
@@ -240,32 +237,6 @@ def step_metrics(window: StepWindow, config: RunConfig) -> dict[str, float]:
     return out
 
 
-def groups_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """`groups` rows of `Effects.groups` (times in seconds) as a contract table."""
-    return pa.Table.from_pylist(
-        [{**r, "decided_at": utc_micros(r["decided_at"]),
-          "first_event_at": utc_micros(r["first_event_at"])} for r in rows],
-        schema=GROUPS.schema,
-    )
-
-
-def steps_row(run_id: str, sealed: SealedStep, batch_version: int) -> dict[str, Any]:
-    """The `steps` row of a sealed step whose rows are in `training_batches` version
-    `batch_version`."""
-    return {
-        "run_id": run_id, "step": sealed.step, "n_groups": sealed.n_groups,
-        "n_samples": sealed.rows.num_rows, "sealed_at": utc_micros(sealed.sealed_at),
-        "batch_version": batch_version, "content_sha256": sealed.content_sha256,
-        "n_rollouts": sealed.n_rollouts, "n_tokens": sealed.n_tokens,
-    }
-
-
-def metric_rows(run_id: str, step: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
-    """`step_metrics` rows of one closed step, keys in order."""
-    return [{"run_id": run_id, "step": step, "key": k, "value": float(v)}
-            for k, v in sorted(metrics.items())]
-
-
 def _batch_order(group: DecidedGroup) -> tuple[int, int]:
     """Rows of a step are ordered by the first `sample_index` of their group (else index)."""
     indices = [i for i in group.fragments.column("sample_index").to_pylist() if i is not None]
@@ -298,77 +269,3 @@ def _metric_rows(members: list[DecidedGroup]) -> list[MetricRow]:
     return rows
 
 
-def _training_rows(run_id: str, step: int, members: list[DecidedGroup],
-                   config: RunConfig) -> pa.Table:
-    """The step's rows in position order, with per-rollout advantages broadcast."""
-    table = pa.concat_tables(
-        [
-            m.fragments.append_column(
-                "group_index", pa.array([m.header.group_index] * m.fragments.num_rows, pa.int64())
-            )
-            for m in members
-        ]
-    )
-    n = table.num_rows
-    advantage_rows = [
-        AdvantageRow(g, r, 0.0 if w is None else w)
-        for g, r, w in zip(
-            table.column("group_index").to_pylist(),
-            table.column("rollout_id").to_pylist(),
-            table.column("reward").to_pylist(),
-            strict=True,
-        )
-    ]
-    advantages = row_advantages(advantage_rows, config.advantage_estimator,
-                                config.std_normalization)
-    generated = {
-        "run_id": pa.array([run_id] * n, pa.string()),
-        "step": pa.array([step] * n, pa.int64()),
-        "position": pa.array(range(n), pa.int32()),
-        "advantage": pa.array(advantages, pa.float64()),
-    }
-    columns = [
-        generated[name] if name in generated else table.column(name)
-        for name in TRAINING_BATCHES.schema.names
-    ]
-    return pa.Table.from_arrays(columns, schema=TRAINING_BATCHES.schema)
-
-
-def _group_row(header: DecisionHeader, decision: str, reason: str | None,
-               batch_step: int | None, fragments: pa.Table) -> dict[str, Any]:
-    rewards = [r for r in fragments.column("reward").to_pylist() if r is not None]
-    return {
-        "run_id": header.run_id,
-        "group_index": header.group_index,
-        "step": header.step,
-        "n_samples": header.n_samples,
-        "decision": decision,
-        "reason": reason,
-        "batch_step": batch_step,
-        "decided_at": header.decided_at,
-        "mean_reward": statistics.fmean(rewards) if rewards else None,
-        "first_event_at": header.first_event_at,
-        "n_fragments": fragments.num_rows,
-        "ordered_at": header.at_us,
-    }
-
-
-def _sample_rows(header: DecisionHeader, fragments: pa.Table, decision: str,
-                 reason: str | None) -> pa.Table:
-    n = fragments.num_rows
-    return pa.table(
-        {
-            "run_id": pa.array([header.run_id] * n, pa.string()),
-            "group_index": pa.array([header.group_index] * n, pa.int64()),
-            "rollout_id": fragments.column("rollout_id"),
-            "fragment_index": fragments.column("fragment_index"),
-            "status": fragments.column("status"),
-            "reward": fragments.column("reward"),
-            "response_length": fragments.column("response_length"),
-            "decision": pa.array([decision] * n, pa.string()),
-            "reason": pa.array([reason] * n, pa.string()),
-            "step": pa.array([header.step] * n, pa.int64()),
-            "sample_index": fragments.column("sample_index"),
-            "abort_reason": fragments.column("abort_reason"),
-        }
-    )

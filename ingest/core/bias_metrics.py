@@ -23,14 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ingest.core.filters import CANCELLED_AT_SEAL
+from ingest.core.reasons import CANCELLED_AT_SEAL, GROUP_TIMEOUT
 
 # A group decided by timeout never finished either; it counts against completion.
-UNFINISHED_REASONS = frozenset({CANCELLED_AT_SEAL, "group_timeout"})
+UNFINISHED_REASONS = frozenset({CANCELLED_AT_SEAL, GROUP_TIMEOUT})
 
 
 @dataclass(frozen=True, slots=True)
-class DecidedGroup:
+class GroupSummary:
     """One group decided into a step, as the bias metrics read it.
 
     `response_lengths` and `statuses` have one entry per fragment row of the group (the
@@ -53,7 +53,7 @@ def _mean(values: list[int]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def bias_metrics(groups: Iterable[DecidedGroup], *, groups_issued: int) -> dict[str, float]:
+def bias_metrics(groups: Iterable[GroupSummary], *, groups_issued: int) -> dict[str, float]:
     """Extra `step_metrics` for the groups decided into one step.
 
     `groups_issued` is the step's `rollout/prompts_issued`: prompt groups sent to the

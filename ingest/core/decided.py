@@ -1,4 +1,4 @@
-"""A decided group as the group stage hands it to the batch stage.
+"""A decided group (and an opened one) as the group stage hands it to the batch stage.
 
 The fragments travel as one Arrow table per group (columnar token lists, no per-token
 Python on the batch side); the group-level facts travel as a small header that
@@ -14,7 +14,8 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from ingest.core.model import FilterVerdict, Group
+from ingest.core.model import Group
+from ingest.core.ordering import DECIDED, OPENED, OrderKey
 from ingest.core.rewards import numeric_reward
 
 FRAGMENTS = pa.schema(
@@ -51,8 +52,8 @@ class DecisionHeader:
     counted: bool
     decided_at: float
     first_event_at: float
-    # Earliest `ts` of the group's aborts when every abort is a `cancelled` one; the batch
-    # stage compares it with the step's seal time to tell cancelled-at-seal groups apart.
+    # Earliest `ts` of the group's aborts when every abort is a `cancelled` one
+    # (`ingest.core.decide`: cancelled at seal).
     cancel_min_ts: float | None = None
     offered: bool = True  # reached the filter chain (False for a group_timeout)
     source: dict[str, int] = field(default_factory=dict)  # events partition/offset deciding it
@@ -67,6 +68,17 @@ class DecisionHeader:
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 
+    def order_key(self) -> OrderKey:
+        """Where the batch stage applies it (`ingest.core.ordering`)."""
+        return OrderKey(-1 if self.at_us is None else self.at_us,
+                        self.source.get("partition", -1), self.source.get("offset", -1),
+                        DECIDED, self.run_id, self.group_index)
+
+    @property
+    def ordered_at(self) -> float:
+        """The event time it is ordered by, in seconds: the seal time of a step it fills."""
+        return self.decided_at if self.at_us is None else self.at_us / 1e6
+
     @classmethod
     def from_json(cls, raw: bytes) -> DecisionHeader:
         return cls(**orjson.loads(raw))
@@ -76,6 +88,26 @@ class DecisionHeader:
 class DecidedGroup:
     header: DecisionHeader
     fragments: pa.Table  # FRAGMENTS rows, in Miles order (rollouts, then fragment index)
+
+    def order_key(self) -> OrderKey:
+        return self.header.order_key()
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A group's `group_started` was archived: one prompt issued for `step` (the `opened`
+    notice on `rollout.decisions`)."""
+
+    run_id: str
+    group_index: int
+    step: int
+    at_us: int  # event time of the group_started
+    partition: int
+    offset: int
+
+    def order_key(self) -> OrderKey:
+        return OrderKey(self.at_us, self.partition, self.offset, OPENED, self.run_id,
+                        self.group_index)
 
 
 _NO_TOKENS = np.zeros(0, np.int8)
@@ -141,28 +173,3 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
     columns = {name: values for name, values in cols.items() if name != "loss_mask"}
     columns["loss_mask"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int8()))
     return pa.table(columns, schema=FRAGMENTS)
-
-
-def header_for(group: Group, verdict: FilterVerdict, *, decided_at: float,
-               source: dict[str, int], at_us: int, offered: bool = True) -> DecisionHeader:
-    aborts = [r for r in group.rollouts.values() if r.aborted]
-    cancel_min_ts = None
-    if aborts and all(r.abort_reason == "cancelled" for r in aborts):
-        stamps = [r.metadata.get("abort_ts") for r in aborts]
-        if all(isinstance(s, int | float) for s in stamps):
-            cancel_min_ts = float(min(stamps))
-    return DecisionHeader(
-        run_id=group.run_id,
-        group_index=group.group_index,
-        step=group.step,
-        n_samples=group.n_samples,
-        decision="kept" if verdict.keep else "dropped",
-        reason=verdict.reason,
-        counted=verdict.counted,
-        decided_at=decided_at,
-        first_event_at=group.first_event_at,
-        cancel_min_ts=cancel_min_ts,
-        offered=offered,
-        source=source,
-        at_us=at_us,
-    )

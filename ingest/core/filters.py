@@ -19,13 +19,11 @@ from typing import Any
 import numpy as np
 
 from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
+from ingest.core.reasons import GROUP_HAS_ABORTED, GROUP_HAS_MISSING_REWARD, ZERO_STD_PREFIX
 from ingest.core.rewards import is_missing_reward, reward_value
 from schemas.errors import FilterLoadError
 from schemas.events import DAPO_FILTER_PATH, MILES_DAPO_FILTER_ALIASES, RunConfig
 
-GROUP_HAS_ABORTED = "group_has_aborted"
-CANCELLED_AT_SEAL = "cancelled_at_seal"
-GROUP_HAS_MISSING_REWARD = "group_has_missing_reward"
 # float64 unbiased std at or below this is "zero" (Miles apply_reward_nonzero_std_filter).
 ZERO_STD_EPS = 1e-8
 
@@ -191,7 +189,7 @@ def reward_nonzero_std(args: Any, samples: list[Any], **kwargs: Any) -> FilterOu
     std = float(np.std(values, ddof=1)) if values.size > 1 else float("nan")
     if std > ZERO_STD_EPS:
         return FilterOutput(keep=True)
-    return FilterOutput(keep=False, reason=f"zero_std_{round(rewards[0], 1)}")
+    return FilterOutput(keep=False, reason=f"{ZERO_STD_PREFIX}{round(rewards[0], 1)}")
 
 
 # ---------------------------------------------------------------- loading user filters
@@ -265,16 +263,6 @@ def clear_filter_cache() -> None:
 # ---------------------------------------------------------------- the chain
 
 
-def _aborted_verdict(group: Group) -> FilterVerdict | None:
-    aborted = [r for r in group.rollouts.values() if r.aborted]
-    if not aborted:
-        return None
-    if all(r.aborted_after_seal and r.abort_reason == "cancelled" for r in aborted):
-        # Counted apart (CONTRACT 3): `rollout/groups_cancelled`, not a drop_<reason> key.
-        return FilterVerdict(False, CANCELLED_AT_SEAL, counted=False)
-    return FilterVerdict(False, GROUP_HAS_ABORTED)
-
-
 def _user_verdict(result: Any, fn: Callable[..., Any]) -> FilterVerdict:
     if isinstance(result, bool | np.bool_):
         keep, reason = bool(result), None
@@ -299,17 +287,16 @@ def apply_filter_chain(
 ) -> FilterVerdict:
     """Decide one complete group; the first failing step decides (Miles apply_preput_filters).
 
-    1. any aborted rollout -> `group_has_aborted` (`cancelled_at_seal`, uncounted, when every
-       abort is a `cancelled` abort sent after its step was sealed);
+    1. any aborted rollout -> `group_has_aborted` (the batch stage makes it
+       `cancelled_at_seal` when the seal cut the group short: `ingest.core.decide`);
     2. any missing reward (null, object without `reward_key`, null value) ->
        `group_has_missing_reward`;
     3. `user_filter(args, miles_group(group), **kwargs)`, called exactly once; a bool or a
        FilterOutput. A drop without a reason is not counted in metrics. Its exceptions
        propagate: the caller dead-letters the group.
     """
-    verdict = _aborted_verdict(group)
-    if verdict is not None:
-        return verdict
+    if any(r.aborted for r in group.rollouts.values()):
+        return FilterVerdict(False, GROUP_HAS_ABORTED)
     reward_key = getattr(args, "reward_key", None)
     if any(is_missing_reward(r.reward, reward_key) for r in group.rollouts.values()):
         return FilterVerdict(False, GROUP_HAS_MISSING_REWARD)

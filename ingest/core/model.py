@@ -51,7 +51,6 @@ class Rollout:
     weight_version: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     abort_reason: str | None = None
-    aborted_after_seal: bool = False  # a `cancelled` abort sent once its step was sealed
 
     @property
     def aborted(self) -> bool:
@@ -103,10 +102,6 @@ class Group:
             self.rollouts.values(),
             key=lambda r: (r.sample_index is None, r.sample_index or 0, r.rollout_id),
         )
-
-    def first_sample_index(self) -> int | None:
-        indices = [r.sample_index for r in self.rollouts.values() if r.sample_index is not None]
-        return min(indices) if indices else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,15 +33,16 @@ import pyarrow.compute as pc
 from ingest.core.batching import RunBatcher
 from ingest.core.ordering import DecisionMerge
 from ingest.io.lake import Lake, TxnMark
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from schemas.tables import BATCH_STATE, utc_micros
 
 log = logging.getLogger(__name__)
 
 PICKLE_PROTOCOL = 5
 # v2: the state is a `BatchState` (batchers and the ordering state), no longer the batchers
-# alone; a v1 snapshot does not load and the stage replays from offset 0.
-FORMAT = f"pickle-{PICKLE_PROTOCOL}-v2"
+# alone; a v1 snapshot does not load and the stage replays from offset 0. v3: a
+# `RunBatcher` keeps the config each open step opened with (`step_configs`).
+FORMAT = f"pickle-{PICKLE_PROTOCOL}-v3"
 
 
 def decision_fingerprint(record: Any) -> bytes:

@@ -25,9 +25,10 @@ from typing import Any
 import pyarrow as pa
 from kafka import TopicPartition
 
-from ingest.core.batching import Effects, RunBatcher, groups_table, metric_rows, steps_row
-from ingest.core.decided import DecidedGroup, DecisionHeader, fragments_table
-from ingest.core.ordering import DECIDED, OPENED, DecisionMerge, OrderKey
+from ingest.core.batching import Effects, RunBatcher
+from ingest.core.decided import DecidedGroup, DecisionHeader, Opened, fragments_table
+from ingest.core.ordering import OPENED, DecisionMerge
+from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.io.archive import archived_group
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.batch_snapshot import (
@@ -43,7 +44,7 @@ from ingest.processor.decisions import (
     opened_notice,
     watermark_notice,
 )
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.control import StepSealed
 from schemas.errors import RolloutlakeError
@@ -65,7 +66,7 @@ class _Pending:
     rows: dict[str, list[pa.Table]] = field(default_factory=lambda: defaultdict(list))
     sources: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     last_offset: dict[int, int] = field(default_factory=dict)
-    sealed: list[tuple[str, int, int, Any]] = field(default_factory=list)  # run, step, p, SealedStep
+    sealed: list[tuple[str, int, int, Any]] = field(default_factory=list)  # run, step, p, SealedBatch
     closed: list[tuple[str, int, int, int, dict[str, float]]] = field(default_factory=list)
 
     def add(self, table: str, rows: pa.Table, partition: int, offset: int) -> None:
@@ -200,27 +201,21 @@ class BatchStage(Stage):
                                       "not a rolloutlake decision (no 'decision' header)",
                                       record.value)
                 return
-            if notice is not None:
-                key = OrderKey(notice.get("at_us", -1), notice.get("partition", -1),
-                               notice.get("offset", -1), OPENED, notice["run_id"],
-                               notice["group_index"])
-            else:
-                key = OrderKey(-1 if header.at_us is None else header.at_us,
-                               header.source.get("partition", -1), header.source.get("offset", -1),
-                               DECIDED, header.run_id, header.group_index)
+            item = notice if notice is not None else header
+            key = item.order_key()
             applied = self.batchers.get(key.run_id)
             if applied is not None and key.group_index in (
                     applied.opened if key.kind == OPENED else applied.decided):
                 return  # sent again after a group-stage restart; the first one stands
-            merge.add(key, (record.offset, notice, header, record.value))
-        for _key, (offset, notice, header, value) in merge.ready():
+            merge.add(key, (record.offset, item, record.value))
+        for _key, (offset, item, value) in merge.ready():
             self._applied = True
-            if notice is not None:
-                batcher = self._batcher(notice["run_id"], record.partition)
+            if isinstance(item, Opened):
+                batcher = self._batcher(item.run_id, record.partition)
                 if batcher is not None:
-                    batcher.open(notice["group_index"], notice["step"], notice["at"])
+                    batcher.apply(item)
             else:
-                self._decide(header, value, offset, record, pending)
+                self._decide(item, value, offset, record, pending)
         if merge.late > late:
             log.warning("decisions partition %d: a decision came after later ones were "
                         "applied (an event later than watermark_lag_s on an idle events "
@@ -244,9 +239,7 @@ class BatchStage(Stage):
             )
         else:
             fragments = decode_fragments(value)
-        group = DecidedGroup(header, fragments)
-        sealed_at = header.decided_at if header.at_us is None else header.at_us / 1e6
-        effects = batcher.offer(group, now=sealed_at)
+        effects = batcher.apply(DecidedGroup(header, fragments))
         self._collect(header.run_id, release.partition, release.offset, effects, pending)
 
     def _collect(self, run_id: str, partition: int, offset: int, effects: Effects,

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from ingest.core.decided import FRAGMENTS, DecidedGroup, DecisionHeader
+from ingest.core.decided import FRAGMENTS, DecidedGroup, DecisionHeader, Opened
 
 HEADER = "decision"
 # Decisions larger than this carry no fragments (see DecisionHeader.fragments_in_archive):
@@ -52,16 +52,20 @@ def decision_header(record: Any) -> DecisionHeader | None:
     return None
 
 
-def encode_opened(run_id: str, group_index: int, step: int, at_us: int, partition: int,
-                  offset: int) -> list[tuple[str, bytes]]:
-    body = {"run_id": run_id, "group_index": group_index, "step": step, "at": at_us / 1e6,
-            "at_us": at_us, "partition": partition, "offset": offset}
+def encode_opened(opened: Opened) -> list[tuple[str, bytes]]:
+    body = {"run_id": opened.run_id, "group_index": opened.group_index, "step": opened.step,
+            "at": opened.at_us / 1e6, "at_us": opened.at_us, "partition": opened.partition,
+            "offset": opened.offset}
     return [(OPENED, orjson.dumps(body))]
 
 
-def opened_notice(record: Any) -> dict[str, Any] | None:
-    """The body of an `opened` notice, or None for any other record."""
-    return _header_body(record, OPENED)
+def opened_notice(record: Any) -> Opened | None:
+    """The group an `opened` notice announces, or None for any other record."""
+    body = _header_body(record, OPENED)
+    if body is None:
+        return None
+    return Opened(body["run_id"], body["group_index"], body["step"], body.get("at_us", -1),
+                  body.get("partition", -1), body.get("offset", -1))
 
 
 def encode_watermark(partition: int, at_us: int) -> list[tuple[str, bytes]]:

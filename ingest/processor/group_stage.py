@@ -20,39 +20,36 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 from kafka import TopicPartition
 from kafka.errors import KafkaTimeoutError
 
-from ingest.core.assembly import GroupBuilder
-from ingest.core.decided import FRAGMENTS, DecidedGroup, fragments_table, header_for
-from ingest.core.filters import FilterArgs, apply_filter_chain, load_filter
-from ingest.core.model import FilterVerdict
+from ingest.core.assembly import GroupBuilder, fold_partition
+from ingest.core.decide import decide
+from ingest.core.decided import DecidedGroup, Opened
 from ingest.core.ordering import PartitionClock, TimeoutQueue, micros
+from ingest.io.archive import read_archive
 from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import encode_decision, encode_opened, encode_watermark
-from ingest.processor.io import app_id
+from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
-from schemas.errors import EventValidationError, RolloutlakeError
+from schemas.errors import EventValidationError
 from schemas.events import (
     TRAJECTORY_EVENT_TYPES,
     AnyEvent,
     GroupStarted,
     decode_event,
     event_group_key,
-    parse_event,
 )
 from schemas.tables import EVENTS, utc_micros
 
 log = logging.getLogger(__name__)
 
 GroupKey = tuple[str, int]
-NO_GROUP_STARTED = "no group_started"
-UNSTORABLE = "unstorable"  # decision reason of a group whose decision could not be built
+NO_GROUP_STARTED = "no group_started"  # dead-letter error of a group that never started
 
 
 # An idle partition's clock is advanced at most this often (each advance is a notice).
@@ -66,16 +63,6 @@ class _Pending:
     partition: int
     completed_at: tuple[int, int] | None = None  # (partition, offset) of the completing event
     completed_us: int | None = None  # event time of the completing event
-
-
-@dataclass(frozen=True)
-class _Opened:
-    run_id: str
-    group_index: int
-    step: int
-    at_us: int  # event time of the group_started
-    partition: int
-    offset: int
 
 
 def _check_cell(name: str, value: Any, type_: pa.DataType) -> None:
@@ -135,7 +122,7 @@ class ArchiveRows:
 @dataclass
 class _Batch:
     archive: ArchiveRows = field(default_factory=ArchiveRows)
-    decisions: list[DecidedGroup | _Opened] = field(default_factory=list)  # in publish order
+    decisions: list[DecidedGroup | Opened] = field(default_factory=list)  # in publish order
     last_offset: dict[int, int] = field(default_factory=dict)
 
 
@@ -203,54 +190,35 @@ class GroupStage(Stage):
 
     def _rebuild(self, partition: int) -> None:
         """Re-assemble the partition's undecided groups from the archive, in offset order."""
-        archive = self.lake.read(
-            "events",
-            filter=(pc.field("topic") == self.topics.events) & (pc.field("partition") == partition),
-            columns=["run_id", "group_index", "event_id", "offset", "ingested_at", "event_time",
-                     "payload"],
-        )
-        if archive.num_rows == 0:
+        archive = read_archive(self.lake, (pc.field("topic") == self.topics.events)
+                               & (pc.field("partition") == partition))
+        if not archive:
             return
-        archive = archive.sort_by("offset")
         clock = self.clocks[partition]
-        rebuilt = []
-        started: dict[GroupKey, tuple[int, int]] = {}  # group -> (event time, offset)
-        for run_id, group_index, event_id, offset, ingested_at, event_time, payload in zip(
-            *(archive.column(c).to_pylist() for c in archive.column_names), strict=True
-        ):
-            at_us = micros((event_time or ingested_at).timestamp())
-            clock.advance(at_us)
-            key = (run_id, group_index)
-            if key in self.decided:
+        clock.advance(max(row.at_us for row in archive))
+        for row in archive:
+            ids = self.decided.get((row.run_id, row.group_index))
+            if ids is not None:
                 # A late redelivery of this event is a duplicate, not an event for a
                 # decided group.
-                self.decided[key].add(event_id)
-                continue
-            if key in self.dead:
-                continue
-            pending = self.pending.get(key)
-            if pending is None:
-                pending = self._open(key, partition, at_us)
-                rebuilt.append(key)
-            event = parse_event(orjson.loads(payload))
-            pending.builder.apply(event)
-            if isinstance(event, GroupStarted):
-                started[key] = (at_us, offset)
-            if pending.completed_at is None and pending.builder.group.complete:
-                pending.completed_at, pending.completed_us = (partition, offset), at_us
+                ids.add(row.event_id)
+        folded = fold_partition(archive, lambda *key: key in self.decided or key in self.dead)
         batch = _Batch()
-        for key in rebuilt:
-            group = self.pending[key].builder.group
-            if group.started:  # the notice may not have gone out before the restart
-                at_us, offset = started[key]
-                batch.decisions.append(_Opened(key[0], key[1], group.step, at_us, partition,
-                                               offset))
+        for key, group in folded.items():
+            pending = self._open(key, partition, group.first_us, group.builder)
+            if group.completed is not None:
+                pending.completed_us, offset = group.completed
+                pending.completed_at = (partition, offset)
+            if group.started is not None:  # the notice may not have gone out before the restart
+                at_us, offset = group.started
+                batch.decisions.append(Opened(key[0], key[1], group.builder.group.step, at_us,
+                                              partition, offset))
         # Only complete groups are decided; the others wait for their remaining events.
-        complete = [k for k in rebuilt if self.pending[k].completed_at is not None]
+        complete = [k for k in folded if self.pending[k].completed_at is not None]
         for key in sorted(complete, key=lambda k: self.pending[k].completed_at):
             self._try_decide(key, batch)
         self._expire(partition, batch)  # timed out before the restart, not yet published
-        log.info("partition %d: rebuilt %d undecided groups", partition, len(rebuilt))
+        log.info("partition %d: rebuilt %d undecided groups", partition, len(folded))
         self._publish(batch.decisions)
         self.dead_letters.commit([])
 
@@ -332,7 +300,7 @@ class GroupStage(Stage):
         batch.archive.append(row)
         self.event_groups[(event.run_id, event.event_id)] = event.group_index
         if isinstance(event, GroupStarted):
-            batch.decisions.append(_Opened(event.run_id, event.group_index, event.step, at_us,
+            batch.decisions.append(Opened(event.run_id, event.group_index, event.step, at_us,
                                            partition, offset))
         if pending.builder.group.complete and pending.completed_at is None:
             pending.completed_at, pending.completed_us = (partition, offset), at_us
@@ -340,10 +308,12 @@ class GroupStage(Stage):
         if self.clocks[partition].advance(at_us):
             self._expire(partition, batch)
 
-    def _open(self, key: GroupKey, partition: int, first_us: int) -> _Pending:
-        """A new undecided group whose first archived event has event time `first_us`."""
-        pending = self.pending[key] = _Pending(GroupBuilder(key[0], key[1], first_us / 1e6),
-                                               partition)
+    def _open(self, key: GroupKey, partition: int, first_us: int,
+              builder: GroupBuilder | None = None) -> _Pending:
+        """A new undecided group whose first archived event has event time `first_us`
+        (`builder`: the group as far as the archive has it)."""
+        builder = builder or GroupBuilder(key[0], key[1], first_us / 1e6)
+        pending = self.pending[key] = _Pending(builder, partition)
         self.timeouts[partition].add(key[0], key[1], first_us)
         return pending
 
@@ -381,49 +351,25 @@ class GroupStage(Stage):
 
     def _try_decide(self, key: GroupKey, batch: _Batch) -> None:
         pending = self.pending[key]
-        config = self.runs.get(key[0])
-        if config is None:
+        if self.runs.get(key[0]) is None:
             return  # waits for its run_started (or times out)
-        group = pending.builder.group
         partition, offset = pending.completed_at
-        source = {"partition": partition, "offset": offset}
-        at_us = pending.completed_us
-        try:
-            user_filter = load_filter(config.resolved_filter_path)
-            verdict = apply_filter_chain(FilterArgs.from_config(config), group, user_filter)
-        except Exception as err:  # noqa: BLE001 - a user filter may raise anything
-            error = f"filter {config.dynamic_sampling_filter_path} raised {type(err).__name__}: {err}"
-            if isinstance(err, RolloutlakeError):
-                error = str(err)
-            self.dead_letters.add(self.topics.events, partition, offset, error, None,
-                                  run_id=group.run_id, group_index=group.group_index)
-            verdict = FilterVerdict(False, "filter_error")
-        self._finish(key, verdict, source, at_us, batch)
+        self._finish(key, {"partition": partition, "offset": offset}, pending.completed_us,
+                     batch)
 
-    def _finish(self, key: GroupKey, verdict: FilterVerdict, source: dict[str, int],
-                at_us: int, batch: _Batch, offered: bool = True) -> None:
+    def _finish(self, key: GroupKey, source: dict[str, int], at_us: int, batch: _Batch,
+                *, timed_out: bool = False) -> None:
         pending = self.pending.pop(key)
-        config = self.runs.get(key[0])
         group = pending.builder.group
-        decided_at = time.time()
-        try:
-            header = header_for(group, verdict, decided_at=decided_at, source=source,
-                                at_us=at_us, offered=offered)
-            fragments = fragments_table(group, config.reward_key if config else None,
-                                        with_tokens=verdict.keep)
-            header.to_json()  # fails here, not after the archive commit, if it cannot encode
-        except Exception as err:  # noqa: BLE001 - a group that cannot be stored is dropped
-            error = (f"group {group.group_index} of run {group.run_id} cannot be stored: "
-                     f"{type(err).__name__}: {err}")
-            log.exception("%s", error)
+        decided = decide(group, self.runs.get(key[0]), at_us=at_us, source=source,
+                         decided_at=time.time(), timed_out=timed_out)
+        if decided.error is not None:
+            log.warning("%s", decided.error)
             if source["offset"] >= 0:
                 self.dead_letters.add(self.topics.events, source["partition"], source["offset"],
-                                      error, None, run_id=group.run_id,
+                                      decided.error, None, run_id=group.run_id,
                                       group_index=group.group_index)
-            header = header_for(group, FilterVerdict(False, UNSTORABLE), decided_at=decided_at,
-                                source=source, at_us=at_us, offered=offered)
-            fragments = FRAGMENTS.empty_table()
-        batch.decisions.append(DecidedGroup(header, fragments))
+        batch.decisions.append(decided.group)
         self.decided[key] = pending.builder.event_ids
 
     def _decide_waiting(self, batch: _Batch) -> None:
@@ -450,9 +396,8 @@ class GroupStage(Stage):
                 continue  # decided meanwhile
             group = pending.builder.group
             if group.started and self.runs.get(run_id) is not None:
-                source = {"partition": partition, "offset": -1}
-                self._finish(key, FilterVerdict(False, "group_timeout"), source, deadline_us,
-                             batch, offered=False)
+                self._finish(key, {"partition": partition, "offset": -1}, deadline_us, batch,
+                             timed_out=True)
             else:
                 self._dead_letter_group(key, pending, self._timeout_s(run_id), batch)
 
@@ -536,13 +481,12 @@ class GroupStage(Stage):
                 self.recorded[p] = o
         self._publish(batch.decisions)
 
-    def _publish(self, decisions: list[DecidedGroup | _Opened]) -> None:
+    def _publish(self, decisions: list[DecidedGroup | Opened]) -> None:
         """Decisions and notices, then each partition's watermark (after them, on the same
         partitions, so a watermark never overtakes a decision it covers)."""
         for item in decisions:
-            if isinstance(item, _Opened):
-                headers = encode_opened(item.run_id, item.group_index, item.step, item.at_us,
-                                        item.partition, item.offset)
+            if isinstance(item, Opened):
+                headers = encode_opened(item)
                 self.producer.send(self.topics.decisions, key=item.run_id.encode(), value=b"",
                                    headers=headers)
                 continue

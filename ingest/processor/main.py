@@ -19,7 +19,6 @@ import time
 
 from pydantic import ValidationError
 
-from ingest.commands.wandb_sync import follow_all_runs
 from ingest.io.child_process import die_with_parent
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
@@ -27,6 +26,7 @@ from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import write_status
+from ingest.processor.wandb_sink import follow_all_runs
 from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)

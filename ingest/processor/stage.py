@@ -17,8 +17,9 @@ from kafka.errors import KafkaTimeoutError
 
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.dead_letters import DeadLetters
 from ingest.processor.health import StageHealth, broker_reachable, topic_id
-from ingest.processor.io import DeadLetters, RunRegistry
+from ingest.processor.run_configs import RunConfigs
 from schemas.errors import RolloutlakeError
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Stage(ConsumerRebalanceListener):
         self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
         # The group stage, which archives run_started events, keeps the runs table.
-        self.runs = RunRegistry(config.kafka, self.dead_letters, lake, save=role == "groups")
+        self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
         group_id = f"{config.consumer_group}-{role}"
         self.health = StageHealth(role, group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)

@@ -132,7 +132,7 @@ def test_replay_reproduces_the_original_batches(simulated_lake, tmp_path):
     result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--out",
                  str(tmp_path / "replayed"), "--check")
     assert result.returncode == 0, result.stderr
-    assert "all 3 steps equal the original hashes" in result.stdout
+    assert "every step hash, decision and metric equals the original (3 steps)" in result.stdout
 
 
 def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_path):
@@ -162,7 +162,7 @@ def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
     env = {"TMPDIR": str(scratch)}
     result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--check", env=env)
     assert result.returncode == 0, result.stderr
-    assert "all 3 steps equal the original hashes" in result.stdout
+    assert "every step hash, decision and metric equals the original (3 steps)" in result.stdout
     assert list(scratch.iterdir()) == []
     # An error after the temporary lake exists (the run has no events).
     one_line_error(cli("replay", "--lake", simulated_lake, "--run", "nope", "--config",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 

@@ -23,7 +23,7 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
-from tests.integration.metric_fixtures import READER_TOKEN, gateway, write_steps
+from tests.support.metric_fixtures import READER_TOKEN, gateway, write_steps
 
 RUN, OTHER = "dapo-live", "dapo-seed2"
 CHARTS = ("groups", "reward", "zerostd", "cost", "bias", "lengths")

@@ -16,7 +16,7 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.io import RunRegistry
+from ingest.processor.run_configs import RunConfigs
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import RolloutlakeError
 from schemas.events import event_group_key
@@ -141,7 +141,7 @@ def test_run_configs_outlive_the_runs_topic(broker, tmp_path):
     assert orjson.loads(saved["config"]) == config
 
     later = ordered_kafka(broker.bootstrap_servers, f"cfg-b{id(lake_root)}.")
-    registry = RunRegistry(later, lake=Lake(lake_root))
+    registry = RunConfigs(later, lake=Lake(lake_root))
     assert registry.get("r").rollout_batch_size == 1
     registry.close()
     publish(later, "r", None, [

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 
 def _jsonl(*rows: object) -> bytes:

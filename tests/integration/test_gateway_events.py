@@ -12,7 +12,7 @@ import pytest
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from schemas.events import decode_event
-from tests.integration.gateway_support import (
+from tests.support.gateway_support import (
     RunningGateway,
     consume_all,
     gateway_config,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 from ingest.io.kafka import KafkaSettings
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 MAX_EXAMPLES = 12
 

@@ -17,7 +17,7 @@ from schemathesis.checks import (
 
 from ingest.io.broker import free_port
 from ingest.io.kafka import KafkaSettings
-from tests.integration.gateway_support import RunningGateway, gateway_config, sample_events
+from tests.support.gateway_support import RunningGateway, gateway_config, sample_events
 
 BODY_LIMIT = 64 * 1024
 

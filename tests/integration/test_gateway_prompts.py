@@ -14,7 +14,7 @@ import pytest
 from ingest.io.broker import free_port
 from ingest.io.lake import Lake
 from schemas.events import decode_event
-from tests.integration.gateway_support import (
+from tests.support.gateway_support import (
     GatewayProcess,
     RunningGateway,
     consume_all,

@@ -16,7 +16,7 @@ from gateway.config import load_config
 from ingest.io.lake import Lake
 from schemas.errors import ConfigError
 from schemas.tables import TABLES
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 CONFIG = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -12,7 +12,7 @@ import pytest
 
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import EventValidationError
-from tests.integration.gateway_support import (
+from tests.support.gateway_support import (
     RunningGateway,
     consume_all,
     gateway_config,

@@ -19,7 +19,7 @@ def test_a_filter_reading_sample_response_decides_on_the_response_text(broker, l
     kafka = ordered_kafka(broker.bootstrap_servers, "miles-response.")
     run = "texts"
     config = {"n_samples_per_prompt": 2, "rollout_batch_size": 1,
-              "dynamic_sampling_filter_path": "tests.integration.user_filters.keep_boxed_answers"}
+              "dynamic_sampling_filter_path": "tests.support.user_filters.keep_boxed_answers"}
     events = []
     for group, texts in enumerate([("so \\boxed{4}", "no idea"), ("four", None)]):
         events.append(event("group_started", run, group_index=group, step=group, n_samples=2))

@@ -87,7 +87,7 @@ def test_a_decision_that_cannot_be_encoded_drops_its_group_and_restarts_cleanly(
     """A user filter's reason with a lone surrogate made the decision unencodable after the
     archive commit: the stage crashed, and again on every restart."""
     run = "unencodable"
-    config = {**CONFIG, "dynamic_sampling_filter_path": "tests.integration.user_filters.reason_not_utf8"}
+    config = {**CONFIG, "dynamic_sampling_filter_path": "tests.support.user_filters.reason_not_utf8"}
     publish(kafka, run, config, [started(run, 0), sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)])
     run_processor(kafka, lake_root, idle_s=2.0)
     run_processor(kafka, lake_root, idle_s=1.0)  # a restart finds nothing to redo

@@ -82,7 +82,7 @@ def scenario(broker, tmp_path_factory):
     filt = "filt"
     publish(kafka, filt, {**DAPO, "rollout_batch_size": 3,
                           "dynamic_sampling_filter_path":
-                          "tests.integration.user_filters.explode_on_group_3"},
+                          "tests.support.user_filters.explode_on_group_3"},
             [e for g in range(4) for e in (started(filt, g), sample(filt, g, 0, 1.0),
                                            sample(filt, g, 1, 0.0))])
     slow = "slow"
@@ -172,7 +172,7 @@ def test_user_filter_that_raises_dead_letters_its_group(scenario):
     assert groups[3]["decision"] == "dropped" and groups[3]["reason"] == "filter_error"
     assert [groups[g]["decision"] for g in range(3)] == ["kept"] * 3
     errors = [r["error"] for r in rows(scenario, "dead_letters") if r["run_id"] == "filt"]
-    assert errors == ["filter tests.integration.user_filters.explode_on_group_3 raised "
+    assert errors == ["filter tests.support.user_filters.explode_on_group_3 raised "
                       "ValueError: reward model returned garbage for group 3"]
     assert [r["step"] for r in rows(scenario, "steps", "filt")] == [0]
 

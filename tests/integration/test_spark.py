@@ -35,8 +35,8 @@ from ingest.io.lake import Lake
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
-from tests.integration.metric_fixtures import contract_table
 from tests.integration.pipeline import run_processor
+from tests.support.metric_fixtures import contract_table
 
 pytestmark = pytest.mark.one_broker("Spark reads the Delta tables; the broker only makes them")
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ingest.io.lake import Lake
-from tests.integration.metric_fixtures import (
+from tests.support.metric_fixtures import (
     READER_TOKEN,
     contract_table,
     gateway,

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from ingest.io.lake import Lake
 from schemas.tables import STEPS
-from tests.integration.trainer_fixtures import random_step, seal_step
+from tests.support.trainer_fixtures import random_step, seal_step
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import pytest
 
 from ingest.io.lake import Lake
 from schemas.control import WeightsUpdated
-from tests.integration.gateway_support import consume_all
 from tests.integration.pipeline import event, publish, run_processor, sample
+from tests.support.gateway_support import consume_all
 
 pytestmark = pytest.mark.slow
 

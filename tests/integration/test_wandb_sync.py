@@ -15,10 +15,10 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
-from ingest.commands.wandb_sync import follow_all_runs, last_synced_step, sync_run
 from ingest.io.lake import Lake
-from tests.integration.metric_fixtures import step_metric_keys, write_steps
+from ingest.processor.wandb_sink import follow_all_runs, last_synced_step, sync_run
 from tests.integration.pipeline import ordered_kafka, run_processor
+from tests.support.metric_fixtures import step_metric_keys, write_steps
 
 RUN = "dapo-wb"
 BLOCK = 32 * 1024

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.core.bias_metrics import DecidedGroup, bias_metrics
+from ingest.core.bias_metrics import GroupSummary, bias_metrics
 
 
-def kept(*lengths: int) -> DecidedGroup:
-    return DecidedGroup("kept", None, lengths, ["completed"] * len(lengths))
+def kept(*lengths: int) -> GroupSummary:
+    return GroupSummary("kept", None, lengths, ["completed"] * len(lengths))
 
 
-def dropped(reason: str, *lengths: int) -> DecidedGroup:
-    return DecidedGroup("dropped", reason, lengths, ["completed"] * len(lengths))
+def dropped(reason: str, *lengths: int) -> GroupSummary:
+    return GroupSummary("dropped", reason, lengths, ["completed"] * len(lengths))
 
 
-def cancelled(lengths: list[int], statuses: list[str]) -> DecidedGroup:
-    return DecidedGroup("dropped", "cancelled_at_seal", lengths, statuses, cancelled_at_seal=True)
+def cancelled(lengths: list[int], statuses: list[str]) -> GroupSummary:
+    return GroupSummary("dropped", "cancelled_at_seal", lengths, statuses, cancelled_at_seal=True)
 
 
 def test_seed_like_step_counts_cancelled_apart_and_shows_completion_bias():
@@ -51,8 +51,8 @@ def test_unfiltered_complete_step_has_zero_bias_and_no_optional_means():
 def test_timeouts_count_against_completion_and_surplus_is_neither_kept_nor_dropped():
     groups = [
         kept(10),
-        DecidedGroup("dropped", "group_timeout", [5], ["aborted"]),
-        DecidedGroup("surplus", None, [1000], ["completed"]),
+        GroupSummary("dropped", "group_timeout", [5], ["aborted"]),
+        GroupSummary("surplus", None, [1000], ["completed"]),
     ]
     out = bias_metrics(groups, groups_issued=4)
     assert out["rollout/completion_bias"] == pytest.approx(2 / 4)  # timeout + undecided

@@ -39,7 +39,6 @@ class Aborted:
 
     reward: Any = None
     reason: str = "timeout"
-    after_seal: bool = False
     fragments: int = 0
 
 
@@ -48,7 +47,7 @@ def _rollout(rid: int, spec: Any) -> Rollout:
     fragments all carry the list's (shared) reward; `Aborted` is an aborted rollout."""
     if isinstance(spec, Aborted):
         r = Rollout(rollout_id=rid, status="aborted", reward=spec.reward, sample_index=rid)
-        r.abort_reason, r.aborted_after_seal = spec.reason, spec.after_seal
+        r.abort_reason = spec.reason
         n_frags = spec.fragments
     elif isinstance(spec, list):
         assert spec and all(x == spec[0] for x in spec), "siblings share one reward"
@@ -229,34 +228,6 @@ def test_user_filter_exceptions_propagate():
 
     with pytest.raises(RuntimeError, match="user bug"):
         apply_filter_chain(args_for(), make_group(1.0), boom)
-
-
-@pytest.mark.parametrize(
-    ("specs", "reason", "counted"),
-    [
-        ([Aborted(reason="cancelled", after_seal=True), 1.0], "cancelled_at_seal", False),
-        (
-            [Aborted(reason="cancelled", after_seal=True), Aborted(reason="cancelled", after_seal=True)],
-            "cancelled_at_seal",
-            False,
-        ),
-        ([Aborted(reason="cancelled", after_seal=False), 1.0], "group_has_aborted", True),
-        ([Aborted(reason="timeout", after_seal=True), 1.0], "group_has_aborted", True),
-        (
-            [Aborted(reason="cancelled", after_seal=True), Aborted(reason="engine_error")],
-            "group_has_aborted",
-            True,
-        ),
-        # An aborted rollout decides even when another reward is missing.
-        ([Aborted(reason="cancelled", after_seal=True), None], "cancelled_at_seal", False),
-    ],
-)
-def test_cancelled_at_seal(specs: list[Any], reason: str, counted: bool):
-    spy = Spy(True)
-    assert apply_filter_chain(args_for(), make_group(*specs), spy) == FilterVerdict(
-        False, reason, counted
-    )
-    assert spy.calls == []
 
 
 def test_reward_nonzero_std_on_empty_group_raises():

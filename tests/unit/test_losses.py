@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.integration.trainer_fixtures import batch_rows
+from tests.support.trainer_fixtures import batch_rows
 from trainer.batches import tensorize
 from trainer.losses import (
     LossSettings,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from schemas.errors import FilterLoadError
-from tests.integration.trainer_fixtures import batch_rows
+from tests.support.trainer_fixtures import batch_rows
 from trainer.batches import tensorize
 from trainer.losses import LossSettings, micro_batch_loss
 from trainer.reducers import (

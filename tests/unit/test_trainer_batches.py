@@ -10,7 +10,7 @@ import torch
 from ingest.io.lake import Lake
 from schemas.errors import BatchVerificationError
 from schemas.tables import TRAINING_BATCHES, content_sha256
-from tests.integration.trainer_fixtures import batch_rows, random_step, seal_step
+from tests.support.trainer_fixtures import batch_rows, random_step, seal_step
 from trainer.batches import (
     StepFollower,
     load_step,

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from ingest.core.bias_metrics import DecidedGroup, bias_metrics
+from ingest.core.bias_metrics import GroupSummary, bias_metrics
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from schemas.tables import TABLES
-from tests.integration.gateway_support import RunningGateway, gateway_config
+from tests.support.gateway_support import RunningGateway, gateway_config
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -38,7 +38,7 @@ def simulate_step(run_id: str, step: int, *, batch_size: int = 8, n_samples: int
     base_index = step * 10_000
     sealed_at = EPOCH + timedelta(seconds=60 * step + 55)
     groups, samples, kept_rewards = [], [], []
-    decided: list[DecidedGroup] = []
+    decided: list[GroupSummary] = []
     offered_rewards: list[float] = []
     issued = 0
     while sum(g["decision"] == "kept" for g in groups) < batch_size:
@@ -79,7 +79,7 @@ def simulate_step(run_id: str, step: int, *, batch_size: int = 8, n_samples: int
             })
         if g["decision"] == "kept":
             kept_rewards.extend(g["rewards"])
-        decided.append(DecidedGroup(g["decision"], g["reason"], g["lengths"], statuses,
+        decided.append(GroupSummary(g["decision"], g["reason"], g["lengths"], statuses,
                                     cancelled_at_seal=cancelled))
     drops = Counter(g["reason"] for g in groups
                     if g["decision"] == "dropped" and g["reason"] != "cancelled_at_seal")

@@ -54,3 +54,17 @@ def test_a_repeated_decision_changes_nothing():
     assert batcher.offer(_group(0, 0), now=0.0).groups
     effects = batcher.offer(_group(0, 0), now=1.0)
     assert not effects.groups and not effects.sealed
+
+
+def test_a_step_seals_at_the_batch_size_it_opened_with_after_a_config_lowers_it():
+    """A later run_started (the batch stage swaps it in) lowers rollout_batch_size below
+    the members of an open step: that step still seals, at the size it opened with, and
+    steps opened afterwards use the new size."""
+    batcher = _batcher(rollout_batch_size=3)
+    assert not batcher.offer(_group(0, 0), now=0.0).sealed
+    assert not batcher.offer(_group(1, 0), now=1.0).sealed
+    batcher.config = RunConfig(n_samples_per_prompt=2, rollout_batch_size=1)
+    sealed = batcher.offer(_group(2, 0), now=2.0).sealed
+    assert [(s.step, s.n_groups) for s in sealed] == [(0, 3)]
+    sealed = batcher.offer(_group(3, 1), now=3.0).sealed
+    assert [(s.step, s.n_groups) for s in sealed] == [(1, 1)]

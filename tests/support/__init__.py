@@ -1,0 +1,1 @@
+"""Test helpers shared by unit tests, integration tests and bench/."""
