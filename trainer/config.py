@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ingest.io.lake import LakePath
+from schemas.dotted import DottedPath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
 
@@ -72,7 +73,7 @@ class TrainerConfig(BaseModel):
     """Dual-clip constant for negative advantages; unset disables dual clip."""
     calculate_per_token_loss: bool = False
     """Token-level reduction (DAPO `token_mean`) instead of the per-rollout `sum_of_sample_mean`."""
-    custom_pg_loss_reducer_function_path: str | None = None
+    custom_pg_loss_reducer_function_path: DottedPath | None = None
     """`module.fn` or `module:fn` of a Miles reducer factory; replaces the pg-loss reducer only."""
     use_rollout_log_probs: bool = True
     """Use the engine's `rollout_log_probs` as the old policy; rows without them (or all rows
@@ -115,13 +116,6 @@ class TrainerConfig(BaseModel):
     def _ds_config_exists(cls, value: Path) -> Path:
         if not value.is_file():
             raise ValueError(f"no such file: {value}")
-        return value
-
-    @field_validator("custom_pg_loss_reducer_function_path")
-    @classmethod
-    def _reducer_path_shape(cls, value: str | None) -> str | None:
-        if value is not None and "." not in value and ":" not in value:
-            raise ValueError(f"{value!r} must be 'module.fn' or 'module:fn'")
         return value
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from ingest.workers.engines import EngineKind
+from schemas.dotted import DottedPath
 from schemas.errors import ConfigError
 from schemas.events import RunId
 
@@ -100,7 +101,7 @@ class WorkerConfig(BaseModel):
     tokenizer: Path
     """Hugging Face tokenizer folder of the engine's model (for `--model tiny`: its
     `--tiny-dir`); prompts are tokenized here, engines get token ids."""
-    custom_rm_path: str
+    custom_rm_path: DottedPath
     """Reward function `module.fn` or `module:fn`, Miles signature
     `async def rm(args, sample) -> float | dict`; one that raises scores the sample null."""
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -162,13 +163,6 @@ class WorkerConfig(BaseModel):
     def _tokenizer_exists(cls, value: Path) -> Path:
         if not (value / "tokenizer.json").is_file() and not (value / "tokenizer_config.json").is_file():
             raise ValueError(f"{value} holds no Hugging Face tokenizer (tokenizer.json)")
-        return value
-
-    @field_validator("custom_rm_path")
-    @classmethod
-    def _rm_path_shape(cls, value: str) -> str:
-        if "." not in value and ":" not in value:
-            raise ValueError(f"{value!r} must be 'module.fn' or 'module:fn'")
         return value
 
     @field_validator("over_sampling_batch_size")

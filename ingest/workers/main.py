@@ -12,7 +12,6 @@ import logging
 import sys
 
 from ingest.core.dataset_rows import DatasetOptions
-from ingest.core.filters import load_filter
 from ingest.io.kafka import KafkaSettings
 from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig, add_config_arguments, config_from_args
@@ -20,6 +19,7 @@ from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine
 from ingest.workers.prompts import load_prompts
 from ingest.workers.rollout import Progress, RolloutWorker
+from schemas.dotted import load_callable
 from schemas.errors import ConfigError, FilterLoadError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     config = config_from_args(WorkerConfig, args)
     try:
-        reward_fn = load_filter(config.custom_rm_path)
+        reward_fn = load_callable(config.custom_rm_path, "reward function")
     except FilterLoadError as err:
         raise ConfigError(f"--custom-rm-path: {err}") from None
     tokenizer = load_tokenizer(config)
