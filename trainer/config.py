@@ -1,7 +1,7 @@
 """The trainer's one typed configuration, built from the command line in `trainer.main`.
 
-Every field maps to the flag `--<field-name>` (underscores become dashes), so a
-validation error names the flag the user has to fix.
+Flags and one-line errors come from the fields (`schemas/config.py`); `run_id` is `--run`,
+as in the contract's CLI.
 """
 
 from __future__ import annotations
@@ -9,25 +9,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import LakePath
 from schemas.dotted import DottedPath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
 
 
-def flag(field: str) -> str:
-    """The command-line flag of a config field (the contract's CLI says `--run`)."""
-    return "--run" if field == "run_id" else "--" + field.replace("_", "-")
-
-
 class TrainerConfig(BaseModel):
     """Everything one trainer process needs; the DeepSpeed JSON stays a separate file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    cli_flags: ClassVar[dict[str, tuple[str, ...]]] = {"run_id": ("--run",)}
 
     lake: LakePath
     """Root of the Delta lake (local folder or s3:// URI) the processor writes."""
@@ -91,10 +88,9 @@ class TrainerConfig(BaseModel):
 
     save_weights_every: int = Field(default=0, ge=0)
     """Save HF-format weights and publish `weights_updated` every k steps; 0 never."""
-    bootstrap_servers: str | None = None
-    """Kafka bootstrap servers for `weights_updated`; unset publishes nothing."""
-    topic_prefix: str = ""
-    """Prefix of the Kafka topic names, as for the other services (`<prefix>rollout.control`)."""
+    kafka: KafkaSettings | None = None
+    """Where `weights_updated` goes (`<topic_prefix>rollout.control`); set by any Kafka flag,
+    unset publishes nothing."""
     wandb_project: str = "rolloutlake"
     """W&B project."""
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
@@ -135,20 +131,6 @@ class TrainerConfig(BaseModel):
     @property
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"
-
-    @classmethod
-    def build(cls, **values: Any) -> TrainerConfig:
-        """Validate, turning the first pydantic error into a one-line `ConfigError`."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            ctx_error = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_error, FieldValueError):
-                raise ConfigError(f"{flag(ctx_error.field)}: {ctx_error}") from None
-            field = str(err["loc"][0]) if err["loc"] else "config"
-            message = err["msg"].removeprefix("Value error, ")
-            raise ConfigError(f"{flag(field)}: {message}") from None
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed JSON, checked for the few keys the trainer relies on."""

@@ -95,6 +95,8 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
     (("--custom-rm-path", "rm"),
      "rolloutlake worker: --custom-rm-path: 'rm' is not of the form 'module.function' or "
      "'module:function'"),
+    (("--event-partitions", "0"),
+     "rolloutlake worker: --event-partitions: Input should be greater than or equal to 1"),
     (("--rollout-batch-size", "4", "--over-sampling-batch-size", "2"),
      "rolloutlake worker: --over-sampling-batch-size: must be >= --rollout-batch-size (4), "
      "got 2"),
