@@ -49,10 +49,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = app.state
-        state.lake = Lake(config.lake_root)
+        state.lake = Lake(config.lake)
         state.producer = GatewayProducer(config.kafka, publish_timeout_s=config.publish_timeout_s)
         state.runs = RunRegistry(config.kafka)
-        state.datasets = DatasetStore(config.lake_root, config.upload_dir,
+        state.datasets = DatasetStore(config.lake, config.upload_dir,
                                       tokenizers=config.tokenizers,
                                       line_limit=config.dataset_line_limit_bytes)
         state.prompts = PromptService(

@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import LakePath
+from schemas.config import build_config, setting_name
 from schemas.errors import ConfigError
 
 TOKENS_ENV = "ROLLOUTLAKE_GATEWAY_TOKENS"
@@ -50,10 +51,10 @@ class TokenSpec(BaseModel):
 class GatewayConfig(BaseModel):
     """Everything `rolloutlake gateway` needs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
-    lake_root: LakePath = "./lake"
+    lake: LakePath = "./lake"
     """Delta lake root (local folder or s3:// URI); datasets live under `datasets/`."""
     state_dir: Path = Path("./gateway-state")
     """Local folder for the accepted-event-id log and dataset upload spool files."""
@@ -62,7 +63,7 @@ class GatewayConfig(BaseModel):
     tokens: list[TokenSpec] = []
     """Bearer tokens (hashed). Merged with `tokens_file` and the env variable."""
     tokens_file: Path | None = None
-    """JSON file holding a list of `TokenSpec` objects."""
+    """JSON file holding a list of `TokenSpec` objects (more come from $ROLLOUTLAKE_GATEWAY_TOKENS)."""
     allow_anonymous: bool = False
     """Serve without auth when no token is configured (local `rolloutlake up` only)."""
     body_limit_bytes: Annotated[int, Field(ge=1024)] = 64 * MiB
@@ -112,7 +113,7 @@ def _read_tokens(text: str, source: str) -> list[dict[str, Any]]:
 def load_config(values: dict[str, Any], env: dict[str, str] | None = None) -> GatewayConfig:
     """Validate `values`, merging tokens from `tokens_file` and the environment.
 
-    Raises `ConfigError` with one line naming the offending field.
+    Raises `ConfigError` with one line naming the offending field (by its flag).
     """
     env = dict(os.environ) if env is None else env
     values = dict(values)
@@ -123,14 +124,9 @@ def load_config(values: dict[str, Any], env: dict[str, str] | None = None) -> Ga
         try:
             tokens += _read_tokens(path.read_text(), str(path))
         except OSError as err:
-            raise ConfigError(f"tokens_file: cannot read {path}: {err.strerror}") from None
+            raise ConfigError(f"{setting_name(GatewayConfig, ['tokens_file'])}: cannot read "
+                              f"{path}: {err.strerror}") from None
     if env.get(TOKENS_ENV):
         tokens += _read_tokens(env[TOKENS_ENV], TOKENS_ENV)
     values["tokens"] = tokens
-    try:
-        return GatewayConfig.model_validate(values)
-    except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        msg = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"gateway config: {where}: {msg}") from None
+    return build_config(GatewayConfig, values)

@@ -49,7 +49,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config({
-        "port": args.port, "lake_root": args.lake, "state_dir": args.state_dir,
+        "port": args.port, "lake": args.lake, "state_dir": args.state_dir,
         "tokens_file": args.tokens_file, "allow_anonymous": args.tokens_file is None,
         "kafka": {"bootstrap_servers": args.bootstrap_servers or f"127.0.0.1:{args.broker_port}"},
     })
@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
         config.kafka.ensure_topics()
         processor = subprocess.Popen([
             sys.executable, "-m", "ingest.cli", "process",
-            "--bootstrap-servers", config.kafka.bootstrap_servers, "--lake", config.lake_root,
+            "--bootstrap-servers", config.kafka.bootstrap_servers, "--lake", config.lake,
             "--event-partitions", str(config.kafka.event_partitions),
         ])
         try:
             print(f"rolloutlake up: gateway http://{config.host}:{config.port}  "
-                  f"kafka {config.kafka.bootstrap_servers}  lake {config.lake_root}", flush=True)
+                  f"kafka {config.kafka.bootstrap_servers}  lake {config.lake}", flush=True)
             serve(config)
         finally:
             _stop(processor)

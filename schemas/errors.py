@@ -38,7 +38,7 @@ class BrokerStartError(RolloutlakeError):
 
 
 class FilterLoadError(RolloutlakeError):
-    """A user filter or reducer path does not name an importable callable."""
+    """A dotted path to user code (filter, reducer, reward function) names no callable."""
 
 
 class BatchVerificationError(RolloutlakeError):

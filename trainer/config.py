@@ -1,7 +1,7 @@
 """The trainer's one typed configuration, built from the command line in `trainer.main`.
 
-Every field maps to the flag `--<field-name>` (underscores become dashes), so a
-validation error names the flag the user has to fix.
+Flags and one-line errors come from the fields (`schemas/config.py`); `run_id` is `--run`,
+as in the contract's CLI.
 """
 
 from __future__ import annotations
@@ -9,24 +9,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import LakePath
+from schemas.dotted import DottedPath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
-
-
-def flag(field: str) -> str:
-    """The command-line flag of a config field (the contract's CLI says `--run`)."""
-    return "--run" if field == "run_id" else "--" + field.replace("_", "-")
 
 
 class TrainerConfig(BaseModel):
     """Everything one trainer process needs; the DeepSpeed JSON stays a separate file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    cli_flags: ClassVar[dict[str, tuple[str, ...]]] = {"run_id": ("--run",)}
 
     lake: LakePath
     """Root of the Delta lake (local folder or s3:// URI) the processor writes."""
@@ -72,7 +70,7 @@ class TrainerConfig(BaseModel):
     """Dual-clip constant for negative advantages; unset disables dual clip."""
     calculate_per_token_loss: bool = False
     """Token-level reduction (DAPO `token_mean`) instead of the per-rollout `sum_of_sample_mean`."""
-    custom_pg_loss_reducer_function_path: str | None = None
+    custom_pg_loss_reducer_function_path: DottedPath | None = None
     """`module.fn` or `module:fn` of a Miles reducer factory; replaces the pg-loss reducer only."""
     use_rollout_log_probs: bool = True
     """Use the engine's `rollout_log_probs` as the old policy; rows without them (or all rows
@@ -90,10 +88,9 @@ class TrainerConfig(BaseModel):
 
     save_weights_every: int = Field(default=0, ge=0)
     """Save HF-format weights and publish `weights_updated` every k steps; 0 never."""
-    bootstrap_servers: str | None = None
-    """Kafka bootstrap servers for `weights_updated`; unset publishes nothing."""
-    topic_prefix: str = ""
-    """Prefix of the Kafka topic names, as for the other services (`<prefix>rollout.control`)."""
+    kafka: KafkaSettings | None = None
+    """Where `weights_updated` goes (`<topic_prefix>rollout.control`); set by any Kafka flag,
+    unset publishes nothing."""
     wandb_project: str = "rolloutlake"
     """W&B project."""
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
@@ -117,13 +114,6 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"no such file: {value}")
         return value
 
-    @field_validator("custom_pg_loss_reducer_function_path")
-    @classmethod
-    def _reducer_path_shape(cls, value: str | None) -> str | None:
-        if value is not None and "." not in value and ":" not in value:
-            raise ValueError(f"{value!r} must be 'module.fn' or 'module:fn'")
-        return value
-
     @model_validator(mode="after")
     def _kl_needs_coef(self) -> TrainerConfig:
         if self.use_kl_loss and self.kl_loss_coef == 0:
@@ -141,20 +131,6 @@ class TrainerConfig(BaseModel):
     @property
     def weights_dir(self) -> Path:
         return self.run_dir / "weights"
-
-    @classmethod
-    def build(cls, **values: Any) -> TrainerConfig:
-        """Validate, turning the first pydantic error into a one-line `ConfigError`."""
-        try:
-            return cls(**values)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            ctx_error = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_error, FieldValueError):
-                raise ConfigError(f"{flag(ctx_error.field)}: {ctx_error}") from None
-            field = str(err["loc"][0]) if err["loc"] else "config"
-            message = err["msg"].removeprefix("Value error, ")
-            raise ConfigError(f"{flag(field)}: {message}") from None
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed JSON, checked for the few keys the trainer relies on."""

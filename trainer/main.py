@@ -2,8 +2,8 @@
 
     python -m trainer.main --lake lake --run r1 --model tiny --deepspeed ds.json --steps 3
 
-Flags are generated from `TrainerConfig`, so each field's docstring is its `--help` text
-and every flag is validated by the same model.
+Flags are generated from `TrainerConfig` (`schemas/config.py`), so each field's docstring
+is its `--help` text and every flag is validated by the same model.
 """
 
 from __future__ import annotations
@@ -11,39 +11,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import typing
 
+from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
-from trainer.config import TrainerConfig, flag
+from trainer.config import TrainerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per `TrainerConfig` field. Unset flags stay None so the model's
-    defaults apply; values are parsed and checked by pydantic, not argparse."""
-    for name, field in TrainerConfig.model_fields.items():
-        kwargs: dict[str, typing.Any] = {"dest": name, "default": None, "help": field.description}
-        annotation = field.annotation
-        if annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(annotation) is typing.Literal:
-            kwargs["choices"] = list(typing.get_args(annotation))
-        if field.is_required():
-            kwargs["required"] = True
-        parser.add_argument(flag(name), **kwargs)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainerConfig:
-    values = {
-        name: getattr(args, name)
-        for name in TrainerConfig.model_fields
-        if getattr(args, name, None) is not None
-    }
-    return TrainerConfig.build(**values)
+    add_config_flags(parser, TrainerConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train the run's sealed steps; returns the exit code."""
-    config = config_from_args(args)
+    config = config_from_args(TrainerConfig, args)
     # Imported here so `--help` and flag errors do not pay for importing torch/DeepSpeed.
     from trainer.engine import Trainer
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import pyarrow as pa
 
-from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake, TxnMark
 from schemas.control import WeightsUpdated
 from schemas.tables import TRAINER_STEPS
@@ -112,13 +111,11 @@ class StepSink:
     def publish_weights(self, step: int, path: Path, version: int) -> None:
         """Send `weights_updated` keyed by run_id, when Kafka is configured (acks=all,
         idempotent; an unreachable broker raises `BrokerUnavailableError`)."""
-        if self.config.bootstrap_servers is None:
+        kafka = self.config.kafka
+        if kafka is None:
             return
         message = WeightsUpdated(
             run_id=self.config.run_id, step=step, path=str(path.resolve()), version=version
-        )
-        kafka = KafkaSettings(
-            bootstrap_servers=self.config.bootstrap_servers, topic_prefix=self.config.topic_prefix
         )
         if self._producer is None:
             self._producer = kafka.producer()

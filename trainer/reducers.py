@@ -11,14 +11,13 @@ factory signature; `load_pg_loss_reducer` loads any such factory by path.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from schemas.errors import FilterLoadError
+from schemas.dotted import load_callable
 
 Reducer = Callable[[Tensor], Tensor]
 ReducerFactory = Callable[[list[int], list[int], list[Tensor], bool], Reducer]
@@ -98,16 +97,4 @@ def load_pg_loss_reducer(path: str) -> ReducerFactory:
     Miles splits dotted paths at the last dot and rejects `module:fn`, although its own
     example README uses that form; both are accepted here.
     """
-    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise FilterLoadError(f"reducer path {path!r}: expected 'module.fn' or 'module:fn'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise FilterLoadError(
-            f"reducer path {path!r}: cannot import {module_name}: {exc}"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise FilterLoadError(f"reducer path {path!r}: {module_name} has no callable {attr!r}")
-    return factory
+    return load_callable(path, "reducer")

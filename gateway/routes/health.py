@@ -14,7 +14,7 @@ router = APIRouter(tags=["ops"])
 def get_health(producer: ProducerDep, config: ConfigDep) -> dict[str, str]:
     """Liveness (always 200 while the process serves) and whether Kafka is connected."""
     return {"status": "ok", "kafka": "connected" if producer.connected else "unavailable",
-            "lake": config.lake_root}
+            "lake": config.lake}
 
 
 @router.get("/metrics", response_class=Response,

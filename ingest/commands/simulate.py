@@ -26,12 +26,13 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import orjson
 from kafka import TopicPartition
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ingest.io.kafka import KafkaSettings
 from ingest.processor.decisions import decision_header
 from ingest.sdk.publisher import RolloutPublisher
-from schemas.errors import ConfigError, RolloutlakeError
+from schemas.config import add_config_flags, config_from_args
+from schemas.errors import RolloutlakeError
 from schemas.events import DAPO_FILTER_PATH, SCHEMA_VERSION, RunId, event_group_key
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 class SimulationConfig(BaseModel):
     """One simulated run."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     run_id: RunId = "sim"
     steps: Annotated[int, Field(ge=1)] = 5
@@ -332,35 +333,15 @@ def _closed_loop(pub: RolloutPublisher, follower: _Follower, cfg: SimulationConf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
-    parser.add_argument("--topic-prefix", default="")
-    for name, fld in SimulationConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if fld.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=fld.description)
-        else:
-            parser.add_argument(flag, default=None, help=fld.description or f"default {fld.default}")
-
-
-def config_from_args(args: argparse.Namespace) -> SimulationConfig:
-    values = {name: getattr(args, name) for name in SimulationConfig.model_fields
-              if getattr(args, name, None) is not None}
-    if values.get("filter_path") in ("none", ""):
-        values["filter_path"] = None
-    try:
-        return SimulationConfig.model_validate(values)
-    except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        flag = "--" + str(first["loc"][0]).replace("_", "-")
-        raise ConfigError(f"{flag}: {first['msg']}") from None
+    add_config_flags(parser.add_argument_group("kafka settings"), KafkaSettings)
+    add_config_flags(parser, SimulationConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    cfg = config_from_args(args)
-    settings = KafkaSettings(bootstrap_servers=args.bootstrap_servers, topic_prefix=args.topic_prefix)
+    settings = config_from_args(KafkaSettings, args)
+    cfg = config_from_args(SimulationConfig, args)
     with Progress() as bar:
         task = bar.add_task(f"run {cfg.run_id}", total=cfg.steps)
 

@@ -9,7 +9,6 @@ Kafka, Delta or HTTP; the caller dead-letters a group whose user filter raises.
 from __future__ import annotations
 
 import copy
-import importlib
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
 from ingest.core.reasons import GROUP_HAS_ABORTED, GROUP_HAS_MISSING_REWARD, ZERO_STD_PREFIX
 from ingest.core.rewards import is_missing_reward, reward_value
-from schemas.errors import FilterLoadError
+from schemas.dotted import load_callable
 from schemas.events import DAPO_FILTER_PATH, MILES_DAPO_FILTER_ALIASES, RunConfig
 
 # float64 unbiased std at or below this is "zero" (Miles apply_reward_nonzero_std_filter).
@@ -198,40 +197,6 @@ _FILTER_CACHE: dict[str, Callable[..., Any]] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def _resolve(path: str) -> Callable[..., Any]:
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-    else:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise FilterLoadError(
-            f"filter path {path!r} is not of the form 'module.function' or 'module:function'"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise FilterLoadError(
-            f"filter path {path!r}: cannot import module {module_name!r}: {err}"
-        ) from err
-    except Exception as err:  # the user's module itself failed while importing
-        raise FilterLoadError(
-            f"filter path {path!r}: importing module {module_name!r} raised "
-            f"{type(err).__name__}: {err}"
-        ) from err
-    for name in attr_path.split("."):
-        try:
-            obj = getattr(obj, name)
-        except AttributeError:
-            raise FilterLoadError(
-                f"filter path {path!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    if not callable(obj):
-        raise FilterLoadError(
-            f"filter path {path!r}: {attr_path!r} is not callable (got {type(obj).__name__})"
-        )
-    return obj
-
-
 def load_filter(path: str | None) -> Callable[..., Any] | None:
     """The callable a `dynamic_sampling_filter_path` names; None for no filter.
 
@@ -248,7 +213,7 @@ def load_filter(path: str | None) -> Callable[..., Any] | None:
         cached = _FILTER_CACHE.get(path)
     if cached is not None:
         return cached
-    fn = _resolve(path)
+    fn = load_callable(path, "filter")
     with _CACHE_LOCK:
         _FILTER_CACHE[path] = fn
     return fn

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
@@ -75,7 +75,9 @@ class Topics:
 class KafkaSettings(BaseModel):
     """How a service reaches Kafka."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # Security settings come from the environment only: a flag would show a password in `ps`.
+    cli_flags: ClassVar[dict[str, tuple[str, ...]]] = {name: () for name in SECURITY_FIELDS}
 
     bootstrap_servers: Annotated[str, Field(min_length=1)] = "127.0.0.1:9092"
     """Comma-separated `host:port` list of the Kafka (or Tansu) brokers."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,13 +13,19 @@ from ingest.io.lake import LakePath
 class ProcessorConfig(BaseModel):
     """Everything `rolloutlake process` needs; validated once at start."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # `--until-idle` is the spelling the processor had before every service said `-s`.
+    cli_flags: ClassVar[dict[str, tuple[str, ...]]] = {
+        "until_idle_s": ("--until-idle-s", "--until-idle")}
 
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     lake: LakePath
     """Lake root: a local folder or an object-store URI (s3://bucket/prefix)."""
     stages: Literal["all", "groups", "batches"] = "all"
-    """Which stages this instance runs; `all` runs both in one process."""
+    """Which stages this instance runs; `all` runs both (in two processes unless
+    `single_process`)."""
+    single_process: bool = False
+    """Run both stages as threads of one process (one core) instead of a batch-stage child."""
     consumer_group: Annotated[str, Field(min_length=1)] = "rolloutlake"
     """Consumer-group prefix; must be the same for all instances of one deployment."""
     until_idle_s: Annotated[float, Field(gt=0)] | None = None

@@ -17,17 +17,15 @@ import sys
 import threading
 import time
 
-from pydantic import ValidationError
-
 from ingest.io.child_process import die_with_parent
-from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import write_status
 from ingest.processor.wandb_sink import follow_all_runs
-from schemas.errors import ConfigError, RolloutlakeError
+from schemas.config import add_config_flags, config_from_args
+from schemas.errors import RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -204,65 +202,15 @@ def run_split(config: ProcessorConfig) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap-servers", default="127.0.0.1:9092", help="Kafka brokers")
-    parser.add_argument("--lake", required=True, help="lake root (folder or s3://...)")
-    parser.add_argument("--until-idle", type=float, metavar="S",
-                        help="exit 0 after S seconds without new events")
-    parser.add_argument("--topic-prefix", default="", help="prefix of every topic name")
-    parser.add_argument("--stages", choices=["all", "groups", "batches"], default="all")
-    parser.add_argument("--event-partitions", type=int, default=4,
-                        help="partitions of rollout.events when creating it")
-    parser.add_argument("--consumer-group", default="rolloutlake")
-    parser.add_argument("--wandb", action="store_true",
-                        help="log every run's step metrics to W&B (offline unless WANDB_MODE)")
-    parser.add_argument("--broker-timeout-s", type=float, default=60.0, metavar="S",
-                        help="exit non-zero after the broker was unreachable this long")
-    parser.add_argument("--join-timeout-s", type=float, default=120.0, metavar="S",
-                        help="exit non-zero when a stage could not join its consumer group "
-                             "this long")
-    parser.add_argument("--snapshot-every", type=int, default=500, metavar="N",
-                        help="snapshot the batch stage's state every N decisions-topic records; a restart "
-                             "replays at most N")
-    parser.add_argument("--status-dir", metavar="DIR",
-                        help="keep DIR/groups.json and DIR/batches.json current: state "
-                             "(joining, running, broker-unreachable, stopped, failed), "
-                             "partitions, last commit, lag")
-    parser.add_argument("--single-process", action="store_true",
-                        help="run both stages as threads of one process (one core)")
-
-
-def config_from_args(args: argparse.Namespace) -> ProcessorConfig:
-    try:
-        return ProcessorConfig(
-            kafka=KafkaSettings(bootstrap_servers=args.bootstrap_servers,
-                                topic_prefix=args.topic_prefix,
-                                event_partitions=args.event_partitions),
-            lake=args.lake,
-            until_idle_s=args.until_idle,
-            stages=args.stages,
-            consumer_group=args.consumer_group,
-            wandb=args.wandb,
-            broker_timeout_s=args.broker_timeout_s,
-            join_timeout_s=args.join_timeout_s,
-            status_dir=args.status_dir,
-            snapshot_every=args.snapshot_every,
-        )
-    except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        message = first["msg"].removeprefix("Value error, ")
-        if first["loc"][-1:] in ((), ("kafka",)):  # a whole-model check names what it is about
-            raise ConfigError(message) from None
-        field = str(first["loc"][-1])
-        flag = "--until-idle" if field == "until_idle_s" else "--" + field.replace("_", "-")
-        raise ConfigError(f"{flag}: {message}") from None
+    add_config_flags(parser, ProcessorConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    config = config_from_args(ProcessorConfig, args)
     if not getattr(args, "verbose", False):
         # kafka-python logs every reconnect attempt; the stages say it once (health.py)
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    if config.stages == "all" and not args.single_process:
+    if config.stages == "all" and not config.single_process:
         return run_split(config)
     processor = Processor(config)
     signal.signal(signal.SIGTERM, processor.stop)

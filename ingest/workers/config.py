@@ -1,59 +1,19 @@
-"""Typed configs of `rolloutlake engine` and `rolloutlake worker`, and flags made from them.
+"""Typed configs of `rolloutlake engine` and `rolloutlake worker`.
 
-Every field maps to the flag `--<field-name>` (underscores become dashes); its attribute
-docstring is the `--help` text and a validation error names the flag to fix.
+Their flags and one-line errors come from the fields (`schemas/config.py`).
 """
 
 from __future__ import annotations
 
-import argparse
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ingest.io.kafka import KafkaSettings
 from ingest.workers.engines import EngineKind
-from schemas.errors import ConfigError
+from schemas.dotted import DottedPath
 from schemas.events import RunId
-
-Model = typing.TypeVar("Model", bound=BaseModel)
-
-
-def flag(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, config: type[BaseModel]) -> None:
-    """One flag per field; unset flags stay None so the model's defaults apply."""
-    for name, field in config.model_fields.items():
-        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": field.description}
-        if field.annotation is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(field.annotation) is Literal:
-            kwargs["choices"] = list(typing.get_args(field.annotation))
-        if field.is_required():
-            kwargs["required"] = True
-        parser.add_argument(flag(name), **kwargs)
-
-
-def config_from_args(config: type[Model], args: argparse.Namespace) -> Model:
-    """Validate the flags given; the first error becomes a one-line `ConfigError`."""
-    values = {name: getattr(args, name) for name in config.model_fields
-              if getattr(args, name, None) is not None}
-    try:
-        return config(**values)
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        field = str(err["loc"][0]) if err["loc"] else "config"
-        raise ConfigError(f"{flag(field)}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 class EngineServerConfig(BaseModel):
@@ -100,13 +60,10 @@ class WorkerConfig(BaseModel):
     tokenizer: Path
     """Hugging Face tokenizer folder of the engine's model (for `--model tiny`: its
     `--tiny-dir`); prompts are tokenized here, engines get token ids."""
-    custom_rm_path: str
+    custom_rm_path: DottedPath
     """Reward function `module.fn` or `module:fn`, Miles signature
     `async def rm(args, sample) -> float | dict`; one that raises scores the sample null."""
-    bootstrap_servers: str = "127.0.0.1:9092"
-    """Kafka bootstrap servers."""
-    topic_prefix: str = ""
-    """Prefix of the Kafka topic names, as for the other services."""
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     engine: EngineKind = "vllm"
     """Engine API: `vllm` (OpenAI-compatible) or `sglang` (native)."""
     engine_url: str = "http://127.0.0.1:8000"
@@ -162,13 +119,6 @@ class WorkerConfig(BaseModel):
     def _tokenizer_exists(cls, value: Path) -> Path:
         if not (value / "tokenizer.json").is_file() and not (value / "tokenizer_config.json").is_file():
             raise ValueError(f"{value} holds no Hugging Face tokenizer (tokenizer.json)")
-        return value
-
-    @field_validator("custom_rm_path")
-    @classmethod
-    def _rm_path_shape(cls, value: str) -> str:
-        if "." not in value and ":" not in value:
-            raise ValueError(f"{value!r} must be 'module.fn' or 'module:fn'")
         return value
 
     @field_validator("over_sampling_batch_size")

@@ -19,8 +19,9 @@ from typing import IO
 import httpx
 
 from ingest.io.broker import port_is_free
-from ingest.workers.config import EngineServerConfig, add_config_arguments, config_from_args
+from ingest.workers.config import EngineServerConfig
 from ingest.workers.engines import EngineError
+from schemas.config import add_config_flags, config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class EngineServer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, EngineServerConfig)
+    add_config_flags(parser, EngineServerConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,21 +12,21 @@ import logging
 import sys
 
 from ingest.core.dataset_rows import DatasetOptions
-from ingest.core.filters import load_filter
-from ingest.io.kafka import KafkaSettings
 from ingest.sdk.publisher import RolloutPublisher
-from ingest.workers.config import WorkerConfig, add_config_arguments, config_from_args
+from ingest.workers.config import WorkerConfig
 from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine
 from ingest.workers.prompts import load_prompts
 from ingest.workers.rollout import Progress, RolloutWorker
+from schemas.config import add_config_flags, config_from_args, setting_name
+from schemas.dotted import load_callable
 from schemas.errors import ConfigError, FilterLoadError
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, WorkerConfig)
+    add_config_flags(parser, WorkerConfig)
 
 
 def load_tokenizer(config: WorkerConfig):
@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     config = config_from_args(WorkerConfig, args)
     try:
-        reward_fn = load_filter(config.custom_rm_path)
+        reward_fn = load_callable(config.custom_rm_path, "reward function")
     except FilterLoadError as err:
-        raise ConfigError(f"--custom-rm-path: {err}") from None
+        raise ConfigError(f"{setting_name(WorkerConfig, ['custom_rm_path'])}: {err}") from None
     tokenizer = load_tokenizer(config)
     prompts = load_prompts(config.prompt_data, DatasetOptions(
         input_key=config.input_key, label_key=config.label_key,
@@ -65,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
     engines = [make_engine(config.engine, url, timeout_s=config.request_timeout_s)
                for url in config.engine_urls]
-    settings = KafkaSettings(bootstrap_servers=config.bootstrap_servers,
-                             topic_prefix=config.topic_prefix)
+    settings = config.kafka
     follower: ControlFollower | None = None
     try:
         with RolloutPublisher(settings, producer_id=f"worker-{config.run}") as publisher:

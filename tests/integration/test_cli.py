@@ -42,12 +42,25 @@ def test_bad_flag_is_one_line():
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--until-idle", "0"], "rolloutlake process: --until-idle: Input should be greater than 0"),
+    # `--until-idle` is the processor's older spelling of `--until-idle-s`.
+    (["--until-idle", "0"], "rolloutlake process: --until-idle-s: Input should be greater than 0"),
+    (["--until-idle-s", "soon"], "rolloutlake process: --until-idle-s: Input should be a valid "
+                                 "number, unable to parse string as a number"),
     (["--event-partitions", "0"],
      "rolloutlake process: --event-partitions: Input should be greater than or equal to 1"),
+    (["--watermark-lag-s", "-1"],
+     "rolloutlake process: --watermark-lag-s: Input should be greater than or equal to 0"),
+    (["--stages", "some"], "rolloutlake process: error: argument --stages: invalid choice: "
+                           "'some' (choose from 'all', 'groups', 'batches') (see --help)"),
 ])
 def test_invalid_processor_setting_names_the_flag(tmp_path, flags, expected):
     assert one_line_error(cli("process", "--lake", str(tmp_path), *flags)) == expected
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
+
+
+def test_a_required_flag_is_one_line():
+    assert one_line_error(cli("process")) == (
+        "rolloutlake process: error: the following arguments are required: --lake (see --help)")
 
 
 def test_unreachable_broker_is_one_line(tmp_path):
@@ -64,9 +77,77 @@ def test_broker_port_taken_and_binary_missing(broker):
     assert "binary not found" in missing
 
 
-def test_invalid_simulation_setting_names_the_flag():
-    line = one_line_error(cli("simulate", "--abort-rate", "1.5"))
-    assert line.startswith("rolloutlake simulate: --abort-rate:")
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--abort-rate", "1.5"],
+     "rolloutlake simulate: --abort-rate: Input should be less than or equal to 1"),
+    (["--steps", "two"], "rolloutlake simulate: --steps: Input should be a valid integer, "
+                         "unable to parse string as an integer"),
+    (["--bootstrap-servers", ""],
+     "rolloutlake simulate: --bootstrap-servers: String should have at least 1 character"),
+])
+def test_invalid_simulation_setting_names_the_flag(flags, expected):
+    assert one_line_error(cli("simulate", *flags)) == expected
+
+
+def _gateway_config_file(tmp_path, values) -> str:
+    path = tmp_path / "gateway.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--port", "70000", "--allow-anonymous"],
+     "--port: Input should be less than or equal to 65535"),
+    (["--body-limit-bytes", "1", "--allow-anonymous"],
+     "--body-limit-bytes: Input should be greater than or equal to 1024"),
+    (["--publish-timeout-s", "0", "--allow-anonymous"],
+     "--publish-timeout-s: Input should be greater than 0"),
+    ([], "tokens: no bearer token is configured; set tokens_file or ROLLOUTLAKE_GATEWAY_TOKENS, "
+         "or allow_anonymous=true for a local stack"),
+    (["--tokens-file", "{tmp}/missing.json"],
+     "--tokens-file: cannot read {tmp}/missing.json: No such file or directory"),
+    # The config file's keys are the field names; `lake_root` became `lake`.
+    (["--config", "{config}"], "lake_root: Extra inputs are not permitted"),
+    (["--config", "{config}", "--lake", "{tmp}/lake"],
+     "lake_root: Extra inputs are not permitted"),
+    (["--config", "{not_json}"],
+     "--config {tmp}/not.json: Expecting value: line 1 column 1 (char 0)"),
+    (["--config", "{a_list}"], "--config {tmp}/list.json: must hold a JSON object"),
+])
+def test_invalid_gateway_setting_names_the_flag(tmp_path, flags, expected):
+    config = _gateway_config_file(tmp_path, {"lake_root": "x", "allow_anonymous": True})
+    (tmp_path / "not.json").write_text("port = 8000\n")
+    (tmp_path / "list.json").write_text("[]\n")
+    args = [flag.format(tmp=tmp_path, config=config, not_json=tmp_path / "not.json",
+                        a_list=tmp_path / "list.json") for flag in flags]
+    line = one_line_error(cli("gateway", "--state-dir", str(tmp_path / "state"), *args))
+    assert line == f"rolloutlake gateway: {expected.format(tmp=tmp_path)}"
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--steps", "0"], "--steps: Input should be greater than or equal to 1"),
+    (["--use-kl-loss"], "--kl-loss-coef: must be > 0 when --use-kl-loss is set"),
+    (["--custom-pg-loss-reducer-function-path", "dr_grpo"],
+     "--custom-pg-loss-reducer-function-path: 'dr_grpo' is not of the form 'module.function' "
+     "or 'module:function'"),
+    (["--deepspeed", "{tmp}/missing.json"], "--deepspeed: no such file: {tmp}/missing.json"),
+    (["--model", "{tmp}/none"], "--model: '{tmp}/none' is neither 'tiny' nor a local model folder"),
+    # Kafka settings are nested in every service; any Kafka flag turns publishing on.
+    (["--topic-prefix", "t.", "--event-partitions", "0"],
+     "--event-partitions: Input should be greater than or equal to 1"),
+])
+def test_invalid_trainer_setting_names_the_flag(tmp_path, flags, expected):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
+    args = [flag.format(tmp=tmp_path) for flag in flags]
+    line = one_line_error(cli("trainer", "--lake", str(tmp_path / "lake"), "--run", "r1",
+                              "--deepspeed", str(ds), *args))
+    assert line == f"rolloutlake trainer: {expected.format(tmp=tmp_path)}"
+
+
+def test_engine_setting_names_the_flag():
+    assert one_line_error(cli("engine", "--port", "0")) == (
+        "rolloutlake engine: --port: Input should be greater than or equal to 1")
 
 
 LAKE_COMMANDS = [

@@ -82,10 +82,21 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
 
 @pytest.mark.parametrize(("change", "expected"), [
     (("--custom-rm-path", "no_such_module.rm"),
-     "rolloutlake worker: --custom-rm-path: filter path 'no_such_module.rm': cannot import "
-     "module 'no_such_module': No module named 'no_such_module'"),
+     "rolloutlake worker: --custom-rm-path: reward function path 'no_such_module.rm': cannot "
+     "import module 'no_such_module': No module named 'no_such_module'"),
+    (("--custom-rm-path", "tests.integration.user_rewards.no_such_rm"),
+     "rolloutlake worker: --custom-rm-path: reward function path "
+     "'tests.integration.user_rewards.no_such_rm': module 'tests.integration.user_rewards' has "
+     "no attribute 'no_such_rm'"),
+    (("--custom-rm-path", "tests.integration.user_rewards_broken.rm"),
+     "rolloutlake worker: --custom-rm-path: reward function path "
+     "'tests.integration.user_rewards_broken.rm': importing module "
+     "'tests.integration.user_rewards_broken' raised RuntimeError: this reward module is broken"),
     (("--custom-rm-path", "rm"),
-     "rolloutlake worker: --custom-rm-path: 'rm' must be 'module.fn' or 'module:fn'"),
+     "rolloutlake worker: --custom-rm-path: 'rm' is not of the form 'module.function' or "
+     "'module:function'"),
+    (("--event-partitions", "0"),
+     "rolloutlake worker: --event-partitions: Input should be greater than or equal to 1"),
     (("--rollout-batch-size", "4", "--over-sampling-batch-size", "2"),
      "rolloutlake worker: --over-sampling-batch-size: must be >= --rollout-batch-size (4), "
      "got 2"),

@@ -42,7 +42,7 @@ def token_specs() -> list[dict[str, Any]]:
 def gateway_config(kafka: KafkaSettings, lake_root: str, state_dir: Path,
                    **overrides: Any) -> GatewayConfig:
     values: dict[str, Any] = {
-        "kafka": kafka.model_dump(), "lake_root": lake_root, "state_dir": state_dir,
+        "kafka": kafka.model_dump(), "lake": lake_root, "state_dir": state_dir,
         "port": free_port(), "tokens": token_specs(), "publish_timeout_s": 5,
     }
     values.update(overrides)
