@@ -21,7 +21,7 @@ import numpy as np
 from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
 from ingest.core.rewards import is_missing_reward, reward_value
 from schemas.errors import FilterLoadError
-from schemas.events import DAPO_FILTER_PATH, MILES_DAPO_FILTER_ALIASES, RunConfig
+from schemas.events import DAPO_FILTER_PATH, RunConfig, resolve_filter_path
 
 GROUP_HAS_ABORTED = "group_has_aborted"
 CANCELLED_AT_SEAL = "cancelled_at_seal"
@@ -244,7 +244,7 @@ def load_filter(path: str | None) -> Callable[..., Any] | None:
     if path is None:
         return None
     path = path.strip()
-    if path in MILES_DAPO_FILTER_ALIASES or path == DAPO_FILTER_PATH:
+    if resolve_filter_path(path) == DAPO_FILTER_PATH:
         return reward_nonzero_std
     with _CACHE_LOCK:
         cached = _FILTER_CACHE.get(path)
