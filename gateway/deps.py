@@ -22,7 +22,7 @@ from gateway.dedup import RecentIds
 from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer
-from gateway.prompts import PromptService
+from gateway.prompts.service import PromptService
 from gateway.runs import RunRegistry
 from ingest.io.lake import Lake
 from schemas.bounds import check_run_id

@@ -13,6 +13,7 @@ import pytest
 
 from ingest.io.broker import free_port
 from ingest.io.lake import Lake
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import decode_event
 from tests.integration.gateway_support import (
     GatewayProcess,
@@ -129,6 +130,23 @@ def test_prompt_errors(config):
         assert no_dataset.status_code == 409 and "without a dataset" in no_dataset.json()["detail"]
     with RunningGateway(config) as gw, gw.client("run-a-reader") as reader:
         assert reader.post(f"/v1/runs/{run_id}/prompts").status_code == 403
+
+
+def test_a_log_that_contradicts_the_replay_is_a_500_naming_the_group(config, kafka):
+    """A `group_started` in the log for a row the cursor's order does not give (another
+    writer, a changed dataset) stops the restore with a one-line 500, and nothing is served."""
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client, rollout_shuffle=False)  # group 0 would serve row 0
+        version = client.get("/v1/datasets/math").json()["version"]
+        with RolloutPublisher(kafka, create_topics=False) as publisher:
+            publisher.group_started(run_id, group_index=0, step=0, n_samples=4,
+                                    prompt_ref={"dataset": "math", "version": version, "row": 5})
+        refused = client.post(f"/v1/runs/{run_id}/prompts")
+    assert refused.status_code == 500
+    assert refused.json() == {"detail": (
+        f"cannot restore the prompt cursor of run {run_id!r}: group 0 was published with "
+        f"prompt [('math', {version}, 5)], the replay gives row 0")}
+    assert _started(kafka, run_id) == [(0, 5)]
 
 
 def _started(kafka, run_id):
