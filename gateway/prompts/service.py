@@ -384,7 +384,7 @@ class PromptService:
         if base is None:
             base = self._fresh(run_id, self._info(run_id, state))
             pinned = {version for refs in logged.values() for dataset, version, _ in refs
-                      if dataset == base.dataset}
+                      if dataset == base.dataset and version is not None}
             if pinned:  # served before, crashed before the first checkpoint: keep its version
                 base = replace(base, dataset_version=min(pinned))
         n_rows = self.datasets.rows(base.dataset, base.dataset_version).num_rows

@@ -149,6 +149,24 @@ def test_a_log_that_contradicts_the_replay_is_a_500_naming_the_group(config, kaf
     assert _started(kafka, run_id) == [(0, 5)]
 
 
+def test_a_logged_prompt_ref_without_a_version_does_not_break_the_restore(config, kafka):
+    """A producer that re-sent a served group's `group_started` without `version` (the
+    contract allows it): the first-serve restore pins the version the gateway's own
+    event names and continues after that group."""
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client, rollout_shuffle=False)
+        version = client.get("/v1/datasets/math").json()["version"]
+        with RolloutPublisher(kafka, create_topics=False) as publisher:
+            for ref in ({"dataset": "math", "version": version, "row": 0},
+                        {"dataset": "math", "row": 0}):
+                publisher.group_started(run_id, group_index=0, step=0, n_samples=4,
+                                        prompt_ref=ref)
+        served = _serve(client, run_id, 2)
+    assert [(g["group_index"], g["prompt_ref"]) for g in served] == [
+        (1, {"dataset": "math", "version": version, "row": 1}),
+        (2, {"dataset": "math", "version": version, "row": 2})]
+
+
 def _started(kafka, run_id):
     """group_index -> rows of every `group_started` of the run on the events topic."""
     events = [decode_event(r.value) for r in consume_all(kafka, kafka.topics.events)]
