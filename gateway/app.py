@@ -1,8 +1,8 @@
 """`create_app(config)`: the FastAPI app of the REST gateway (CONTRACT section 6).
 
 The app's services live on `app.state` (config, lake, producer, runs, datasets, prompts,
-recent_ids, tokens, metrics), built in the lifespan and reached by routes only through
-`gateway.deps`. Adding a resource means adding its router to `ROUTERS`. Services
+feeds, recent_ids, tokens, metrics), built in the lifespan and reached by routes only
+through `gateway.deps`. Adding a resource means adding its router to `ROUTERS`. Services
 raise the domain errors of `schemas.errors`; `ERROR_STATUS` here is the one place they
 become HTTP answers.
 """
@@ -26,6 +26,7 @@ from gateway.datasets import DatasetStore
 from gateway.dedup import RecentIds
 from gateway.deps import principal_for, require_some_write
 from gateway.errors import ApiError
+from gateway.feeds import Feeds
 from gateway.observability import GatewayMetrics, LimitBody, ObserveRequests
 from gateway.producer import GatewayProducer
 from gateway.prompts.service import PromptService
@@ -79,6 +80,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             state.lake, state.datasets, state.runs, state.producer,
             checkpoint_groups=config.prompt_checkpoint_groups,
             checkpoint_interval_s=config.prompt_checkpoint_interval_s)
+        state.feeds = Feeds(state.lake)
         state.recent_ids = RecentIds(config.state_dir / "accepted_event_ids.log",
                                      config.dedup_window)
         state.producer.start(wait_s=KAFKA_STARTUP_WAIT_S)

@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig, Scope
 from gateway.datasets import DATASET_NAME, DatasetStore
 from gateway.dedup import RecentIds
 from gateway.errors import ApiError
+from gateway.feeds import Feeds
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer
 from gateway.prompts.service import PromptService
@@ -55,6 +56,7 @@ DatasetsDep = Annotated[DatasetStore, Depends(_state("datasets"))]
 PromptsDep = Annotated[PromptService, Depends(_state("prompts"))]
 RecentIdsDep = Annotated[RecentIds, Depends(_state("recent_ids"))]
 MetricsDep = Annotated[GatewayMetrics, Depends(_state("metrics"))]
+FeedsDep = Annotated[Feeds, Depends(_state("feeds"))]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
 
