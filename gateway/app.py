@@ -1,8 +1,10 @@
 """`create_app(config)`: the FastAPI app of the REST gateway (CONTRACT section 6).
 
 The app's services live on `app.state` (config, lake, producer, runs, datasets, prompts,
-recent_ids, tokens, metrics), built in the lifespan and reached by routes only through
-`gateway.deps`. Adding a resource means adding its router to `ROUTERS`.
+feeds, recent_ids, tokens, metrics), built in the lifespan and reached by routes only
+through `gateway.deps`. Adding a resource means adding its router to `ROUTERS`. Services
+raise the domain errors of `schemas.errors`; `ERROR_STATUS` here is the one place they
+become HTTP answers.
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ from gateway.datasets import DatasetStore
 from gateway.dedup import RecentIds
 from gateway.deps import principal_for, require_some_write
 from gateway.errors import ApiError
+from gateway.feeds import Feeds
 from gateway.observability import GatewayMetrics, LimitBody, ObserveRequests
 from gateway.producer import GatewayProducer
-from gateway.prompts import PromptService
+from gateway.prompts.service import PromptService
 from gateway.routes import dashboard, datasets, events, health, prompts, reads, runs, stream
 from gateway.runs import RunRegistry
 from ingest.io.lake import Lake
-from schemas.errors import BrokerUnavailableError
+from schemas.errors import (
+    BrokerUnavailableError,
+    ConflictError,
+    InconsistentStateError,
+    InvalidInputError,
+    NotFoundError,
+    RequestError,
+    UnavailableError,
+    UnsupportedFormatError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +52,15 @@ ROUTERS: list[APIRouter] = [
 ]
 # How long start-up waits for Kafka before serving anyway (requests get 503 until it answers).
 KAFKA_STARTUP_WAIT_S = 10.0
+# The HTTP status of each domain error; a subclass answers with its nearest listed base's.
+ERROR_STATUS: dict[type[RequestError], int] = {
+    NotFoundError: 404,
+    ConflictError: 409,
+    UnsupportedFormatError: 415,
+    InvalidInputError: 422,
+    InconsistentStateError: 500,
+    UnavailableError: 503,
+}
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -59,6 +80,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             state.lake, state.datasets, state.runs, state.producer,
             checkpoint_groups=config.prompt_checkpoint_groups,
             checkpoint_interval_s=config.prompt_checkpoint_interval_s)
+        state.feeds = Feeds(state.lake)
         state.recent_ids = RecentIds(config.state_dir / "accepted_event_ids.log",
                                      config.dedup_window)
         state.producer.start(wait_s=KAFKA_STARTUP_WAIT_S)
@@ -109,8 +131,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return await api_error(request, denied)
         return await request_validation_exception_handler(request, err)
 
+    @app.exception_handler(RequestError)
+    async def domain_error(request: Request, err: RequestError) -> JSONResponse:
+        status = next((ERROR_STATUS[cls] for cls in type(err).__mro__ if cls in ERROR_STATUS), 500)
+        return JSONResponse({"detail": str(err), **err.details}, status_code=status)
+
     @app.exception_handler(BrokerUnavailableError)
     async def broker_unavailable(request: Request, err: BrokerUnavailableError) -> JSONResponse:
+        # An outage passes: say when to retry.
         return JSONResponse({"detail": str(err)}, status_code=503,
                             headers={"Retry-After": str(config.retry_after_s)})
 

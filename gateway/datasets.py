@@ -29,6 +29,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
 from ingest.io.lake import lake_storage_options
+from schemas.errors import InvalidInputError, NotFoundError, UnsupportedFormatError
 from schemas.tables import DATASET_ROWS
 
 DATASET_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
@@ -45,18 +46,16 @@ _SPOOL_SCHEMA = pa.schema([
 ])
 
 
-class DatasetError(Exception):
-    """The upload cannot become a dataset version (HTTP 422); carries the bad lines."""
+class DatasetError(InvalidInputError):
+    """The upload cannot become a dataset version; its details report the bad lines."""
 
     def __init__(self, message: str, bad_lines: list[dict[str, Any]] | None = None,
                  bad_line_count: int = 0):
-        super().__init__(message)
-        self.bad_lines = bad_lines or []
-        self.bad_line_count = bad_line_count
+        super().__init__(message, bad_line_count=bad_line_count, bad_lines=bad_lines or [])
 
 
-class UnknownTokenizer(DatasetError):
-    pass
+class UnsupportedFileType(DatasetError, UnsupportedFormatError):
+    """The upload is neither JSONL nor Parquet."""
 
 
 def parse_slice(text: str | None) -> tuple[int | None, int | None]:
@@ -73,7 +72,7 @@ def parse_slice(text: str | None) -> tuple[int | None, int | None]:
 def format_of(filename: str | None) -> Format:
     suffix = Path(filename or "").suffix.lower()
     if suffix not in FORMATS:
-        raise DatasetError(
+        raise UnsupportedFileType(
             f"unsupported file type {suffix or '(none)'!r} of {filename!r}: upload .jsonl or "
             ".parquet (or pass ?format=jsonl|parquet)"
         )
@@ -199,7 +198,7 @@ class DatasetStore:
                 return self._cache[key]
         dt = self.table(name, version)
         if dt is None:
-            raise DatasetError(f"dataset {name!r} does not exist")
+            raise NotFoundError(f"dataset {name!r} version {version} does not exist")
         table = dt.to_pyarrow_table(columns=["row", "prompt", "label", "metadata"]).sort_by("row")
         with self._guard:
             self._cache[key] = table
@@ -245,7 +244,7 @@ class DatasetStore:
     def _tokenizer(self, name: str) -> Any:
         if name not in self.tokenizer_paths:
             known = ", ".join(sorted(self.tokenizer_paths)) or "none configured"
-            raise UnknownTokenizer(f"unknown tokenizer {name!r} (known: {known})")
+            raise DatasetError(f"unknown tokenizer {name!r} (known: {known})")
         with self._guard:
             if name not in self._tokenizers:
                 from transformers import AutoTokenizer  # heavy: imported on first use only

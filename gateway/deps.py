@@ -20,9 +20,10 @@ from gateway.config import GatewayConfig, Scope
 from gateway.datasets import DATASET_NAME, DatasetStore
 from gateway.dedup import RecentIds
 from gateway.errors import ApiError
+from gateway.feeds import Feeds
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer
-from gateway.prompts import PromptService
+from gateway.prompts.service import PromptService
 from gateway.runs import RunRegistry
 from ingest.io.lake import Lake
 from schemas.bounds import check_run_id
@@ -55,6 +56,7 @@ DatasetsDep = Annotated[DatasetStore, Depends(_state("datasets"))]
 PromptsDep = Annotated[PromptService, Depends(_state("prompts"))]
 RecentIdsDep = Annotated[RecentIds, Depends(_state("recent_ids"))]
 MetricsDep = Annotated[GatewayMetrics, Depends(_state("metrics"))]
+FeedsDep = Annotated[Feeds, Depends(_state("feeds"))]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>`")
 

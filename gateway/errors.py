@@ -1,4 +1,5 @@
-"""The gateway's HTTP error: a status, a one-line `detail` and optional structured fields."""
+"""The HTTP layer's own error (routes and auth): a status, a one-line `detail` and optional
+structured fields. Services raise the domain errors of `schemas.errors` instead."""
 
 from __future__ import annotations
 

@@ -18,16 +18,13 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import RecordMetadata
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, Record
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import BrokerUnavailableError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_S = 1.0
-
-# (topic, key, value) of one message, already validated and encoded.
-Record = tuple[str, bytes, bytes]
 
 
 class _NoLinger(KafkaSettings):

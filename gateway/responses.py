@@ -1,9 +1,9 @@
 """OpenAPI declarations of the gateway's error answers, shared by the routes.
 
-Every error body is `{"detail": "<one line>", ...}` (`ApiError`, the body limit, Kafka
-unavailable), except FastAPI's own request validation, whose 422 `detail` is a list of
-`{loc, msg, type}`. Routes declare the statuses they can answer with `errors(...)`, so
-/openapi.json lists each one with the body it really has.
+Every error body is `{"detail": "<one line>", ...}` (a domain error of `schemas.errors`,
+`ApiError`, the body limit, Kafka unavailable), except FastAPI's own request validation,
+whose 422 `detail` is a list of `{loc, msg, type}`. Routes declare the statuses they can
+answer with `errors(...)`, so /openapi.json lists each one with the body it really has.
 """
 
 from __future__ import annotations

@@ -7,9 +7,49 @@ can see derives from `RolloutlakeError`, whose message is one readable line.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RolloutlakeError(Exception):
     """Base of every error rolloutlake raises on purpose."""
+
+
+class RequestError(RolloutlakeError):
+    """What a service answers a request with when it cannot do it: one readable line and
+    `details`, structured fields for the caller (`field`, `bad_lines`, ...). Services
+    raise the subclasses below; the gateway turns each into its HTTP status in one place
+    (`gateway.app`), so no service speaks HTTP."""
+
+    def __init__(self, message: str, **details: Any):
+        super().__init__(message)
+        self.details = details
+
+
+class NotFoundError(RequestError):
+    """Something the request names (a run, dataset, step, group) does not exist."""
+
+
+class ConflictError(RequestError):
+    """The request does not fit the current state (a run without a dataset, a cursor that
+    another writer moved); retrying, or fixing the state first, helps."""
+
+
+class InvalidInputError(RequestError):
+    """The request's input breaks a rule its schema cannot state; the message names it."""
+
+
+class UnsupportedFormatError(InvalidInputError):
+    """The input is in a format rolloutlake does not read (a file type, a media type)."""
+
+
+class UnavailableError(RequestError):
+    """Something the request needs cannot be read now (an outage, a read that took too
+    long, data gone past Kafka retention)."""
+
+
+class InconsistentStateError(RequestError):
+    """Stored state contradicts itself (a checkpoint and its log disagree); retrying does
+    not help, an operator has to look."""
 
 
 class ConfigError(RolloutlakeError):
@@ -25,11 +65,11 @@ class EventValidationError(RolloutlakeError):
         self.event_type = event_type
 
 
-class EventTooLargeError(RolloutlakeError):
+class EventTooLargeError(InvalidInputError):
     """An encoded event exceeds the configured maximum message size."""
 
 
-class BrokerUnavailableError(RolloutlakeError):
+class BrokerUnavailableError(UnavailableError):
     """The Kafka bootstrap servers could not be reached."""
 
 

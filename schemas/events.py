@@ -128,6 +128,11 @@ MILES_DAPO_FILTER_ALIASES = (
 )
 
 
+def resolve_filter_path(path: str) -> str:
+    """`path`, or the built-in DAPO filter's path for the Miles paths of that filter."""
+    return DAPO_FILTER_PATH if path in MILES_DAPO_FILTER_ALIASES else path
+
+
 class _Event(BaseModel):
     """Fields common to every event."""
 
@@ -192,7 +197,7 @@ class RunConfig(BaseModel):
     def resolved_filter_path(self) -> str | None:
         """The filter path with the Miles aliases mapped to the built-in DAPO filter."""
         path = self.dynamic_sampling_filter_path
-        return DAPO_FILTER_PATH if path in MILES_DAPO_FILTER_ALIASES else path
+        return None if path is None else resolve_filter_path(path)
 
     @property
     def extra_args(self) -> dict[str, Any]:

@@ -11,14 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from gateway.deps import LakeDep, PrincipalDep, ReadRun, RunIdPath
+from gateway.deps import FeedsDep, LakeDep, PrincipalDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
-from gateway.routes.stream import feeds_of
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -81,13 +80,13 @@ class LengthHistogram(BaseModel):
 
 @router.get("/v1/runs/{run_id}/response-lengths", responses=errors(*AUTH, 422))
 async def get_response_lengths(
-    run_id: RunIdPath, request: Request, lake: LakeDep, _: ReadRun,
+    run_id: RunIdPath, feeds: FeedsDep, _: ReadRun,
     last_steps: Annotated[int | None, Query(ge=1, description="only the latest N steps")] = None,
     bins: Annotated[int, Query(ge=2, le=200)] = 40,
 ) -> LengthHistogram:
     """Response length (tokens per fragment, from `samples`) of kept, dropped and
     cancelled-at-seal groups: the cancelled ones are the answers the rewards never see."""
-    feed = feeds_of(request, lake).get(run_id)
+    feed = feeds.get(run_id)
     async with feed.watching():  # brings the feed up to date when nobody streams the run
         return LengthHistogram(**feed.response_lengths(last_steps, bins))
 

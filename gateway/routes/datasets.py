@@ -16,7 +16,6 @@ from starlette.datastructures import UploadFile
 
 from gateway.datasets import (
     SLICE,
-    DatasetError,
     DatasetStore,
     UploadReport,
     format_of,
@@ -133,12 +132,9 @@ async def upload_dataset(
     reported with their line number and reason; the other rows are kept. Send the file as
     the raw body (with `?filename=x.jsonl` or `?format=`) or as multipart part `file`.
     """
-    try:
-        start, end = parse_slice(slice)
-        if format is None and filename is not None:
-            format_of(filename)  # fail before reading a large body of the wrong type
-    except DatasetError as err:
-        raise _as_api_error(err) from None
+    start, end = parse_slice(slice)
+    if format is None and filename is not None:
+        format_of(filename)  # fail before reading a large body of the wrong type
     opts = DatasetOptions(input_key=input_key, label_key=label_key, metadata_key=metadata_key,
                           tool_key=tool_key, start=start, end=end,
                           max_prompt_len=max_prompt_len, tokenizer=tokenizer)
@@ -146,19 +142,11 @@ async def upload_dataset(
     target = config.upload_dir / f"{name}-{uuid.uuid4().hex}.upload"
     try:
         received_as = await _spool_upload(request, target, filename)
-        try:
-            fmt = format or format_of(received_as)
-            report: UploadReport = await run_in_threadpool(datasets.ingest, name, target, fmt, opts)
-        except DatasetError as err:
-            raise _as_api_error(err) from None
+        fmt = format or format_of(received_as)
+        report: UploadReport = await run_in_threadpool(datasets.ingest, name, target, fmt, opts)
     finally:
         target.unlink(missing_ok=True)
     return DatasetUploaded.model_validate(report.__dict__)
-
-
-def _as_api_error(err: DatasetError) -> ApiError:
-    status = 415 if str(err).startswith("unsupported file type") else 422
-    return ApiError(status, str(err), bad_line_count=err.bad_line_count, bad_lines=err.bad_lines)
 
 
 def _table_or_404(datasets: DatasetStore, name: str, version: int | None) -> DeltaTable:

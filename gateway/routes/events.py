@@ -14,11 +14,11 @@ from gateway.dedup import RecentIds
 from gateway.deps import MetricsDep, ProducerDep, RecentIdsDep, WriterDep, require
 from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
-from gateway.producer import GatewayProducer, Record
+from gateway.producer import GatewayProducer
 from gateway.responses import AUTH, errors
-from ingest.io.kafka import MAX_EVENT_BYTES
-from schemas.errors import BrokerUnavailableError, EventValidationError
-from schemas.events import AnyEvent, encode_event, event_group_key, load_json, parse_event
+from ingest.io.kafka import Record, event_record
+from schemas.errors import BrokerUnavailableError, EventTooLargeError, EventValidationError
+from schemas.events import AnyEvent, load_json, parse_event
 
 router = APIRouter(tags=["events"])
 
@@ -86,12 +86,6 @@ def _decode(body: bytes, content_type: str) -> list[Any]:
     return items
 
 
-def _record(event: AnyEvent, value: bytes, producer: GatewayProducer) -> Record:
-    if event.type == "run_started":
-        return producer.topics.runs, event.run_id.encode(), value
-    return producer.topics.events, event_group_key(event.run_id, event.group_index), value
-
-
 def _require_write(items: list[Any], principal: Principal) -> None:
     """403 before validation: a caller without write access learns nothing about its input.
     Run ids are read from the raw items; an item without one is invalid anyway (422)."""
@@ -104,7 +98,7 @@ def _require_write(items: list[Any], principal: Principal) -> None:
 def _validate_and_publish(items: list[Any], principal: Principal, producer: GatewayProducer,
                           recent: RecentIds, metrics: GatewayMetrics) -> EventsAccepted:
     _require_write(items, principal)
-    events: list[tuple[AnyEvent, bytes]] = []
+    events: list[tuple[AnyEvent, Record]] = []
     errors: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         try:
@@ -112,19 +106,16 @@ def _validate_and_publish(items: list[Any], principal: Principal, producer: Gate
         except EventValidationError as err:
             errors.append({"index": index, "field": err.field or "(event)", "reason": str(err)})
             continue
-        value = encode_event(event)
-        if len(value) > MAX_EVENT_BYTES:
-            errors.append({"index": index, "field": "(event)",
-                           "reason": f"event is {len(value)} bytes encoded; the limit is "
-                                     f"{MAX_EVENT_BYTES} bytes"})
-            continue
-        events.append((event, value))
+        try:
+            events.append((event, event_record(event, producer.topics)))
+        except EventTooLargeError as err:
+            errors.append({"index": index, "field": "(event)", "reason": str(err)})
     if errors:
         raise _reject(errors, len(items))
     fresh, dups = recent.claim([(event.run_id, event.event_id) for event, _ in events])
     fresh_ids = [(events[i][0].run_id, events[i][0].event_id) for i in fresh]
     try:
-        producer.send([_record(*events[i], producer) for i in fresh])
+        producer.send([events[i][1] for i in fresh])
     except BrokerUnavailableError:
         recent.release(fresh_ids)
         metrics.publish_errors.inc()

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
-from ingest.commands.audit import GroupNotFound, group_audit
+from ingest.commands.audit import group_audit
 from ingest.io.lake import Lake
 
 router = APIRouter(tags=["reads"])
@@ -107,10 +107,7 @@ async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
 
 
 def _audit(lake: Lake, run_id: str, group_index: int) -> GroupAudit:
-    try:
-        audit = group_audit(lake, run_id, group_index)
-    except GroupNotFound as err:
-        raise ApiError(404, str(err)) from None
+    audit = group_audit(lake, run_id, group_index)  # GroupNotFound: a 404 (gateway.app)
     return GroupAudit(run_id=run_id, group_index=group_index, events=audit.events,
                       decision=audit.decision, samples=audit.samples,
                       training_rows=audit.training_rows)

@@ -23,8 +23,9 @@ from gateway.deps import (
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
 from gateway.runs import RunInfo
+from ingest.io.kafka import event_record
 from schemas.errors import EventValidationError
-from schemas.events import RunId, encode_event
+from schemas.events import RunId
 
 router = APIRouter(tags=["runs"])
 
@@ -59,7 +60,8 @@ def _out(info: RunInfo) -> RunOut:
 
 @router.post("/v1/runs", status_code=201, responses=errors(401, 413, 503, described={
     403: "The token may not write this run.",
-    422: "Invalid config (the message names the field) or unknown dataset.",
+    422: "Invalid config (the message names the field), unknown dataset, or a `run_started` "
+         "over the 8 MiB event limit.",
 }))
 async def start_run(body: RunCreate, principal: WriterDep, producer: ProducerDep,
                     datasets: DatasetsDep, runs: RunsDep) -> RunOut:
@@ -81,7 +83,7 @@ async def start_run(body: RunCreate, principal: WriterDep, producer: ProducerDep
                                     **({"dataset": body.dataset} if body.dataset else {}))
         except EventValidationError as err:
             raise ApiError(422, str(err), field=err.field) from None
-        producer.send([(producer.topics.runs, body.run_id.encode(), encode_event(event))])
+        producer.send([event_record(event, producer.topics)])
         info = runs.get(body.run_id)
         if info is None:  # acked but not yet readable: report what was published
             raise ApiError(503, f"run {body.run_id!r} was published but is not readable yet",

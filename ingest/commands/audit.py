@@ -16,14 +16,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ingest.io.lake import Lake
-from schemas.errors import RolloutlakeError
+from schemas.errors import NotFoundError
 from schemas.events import run_id_argument
 from schemas.tables import TRAINING_BATCHES
 
 TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
 
 
-class GroupNotFound(RolloutlakeError):
+class GroupNotFound(NotFoundError):
     """Nothing is archived or decided for the group."""
 
 

@@ -21,7 +21,7 @@ from ingest.core.model import FilterVerdict, Fragment, Group, Rollout
 from ingest.core.reasons import GROUP_HAS_ABORTED, GROUP_HAS_MISSING_REWARD, ZERO_STD_PREFIX
 from ingest.core.rewards import is_missing_reward, reward_value
 from schemas.dotted import load_callable
-from schemas.events import DAPO_FILTER_PATH, MILES_DAPO_FILTER_ALIASES, RunConfig
+from schemas.events import DAPO_FILTER_PATH, RunConfig, resolve_filter_path
 
 # float64 unbiased std at or below this is "zero" (Miles apply_reward_nonzero_std_filter).
 ZERO_STD_EPS = 1e-8
@@ -207,7 +207,7 @@ def load_filter(path: str | None) -> Callable[..., Any] | None:
     if path is None:
         return None
     path = path.strip()
-    if path in MILES_DAPO_FILTER_ALIASES or path == DAPO_FILTER_PATH:
+    if resolve_filter_path(path) == DAPO_FILTER_PATH:
         return reward_nonzero_std
     with _CACHE_LOCK:
         cached = _FILTER_CACHE.get(path)

@@ -19,15 +19,9 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
-from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings
-from schemas.errors import BrokerUnavailableError, EventTooLargeError
-from schemas.events import (
-    SCHEMA_VERSION,
-    AnyEvent,
-    encode_event,
-    event_group_key,
-    parse_event,
-)
+from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings, event_record
+from schemas.errors import BrokerUnavailableError
+from schemas.events import SCHEMA_VERSION, AnyEvent, parse_event
 
 _UNSET: Any = object()
 
@@ -67,18 +61,9 @@ class RolloutPublisher:
         return parse_event(body)
 
     def publish(self, event: AnyEvent) -> FutureRecordMetadata:
-        """Send one validated event to its topic; returns the Kafka future."""
-        value = encode_event(event)
-        if len(value) > self.max_event_bytes:
-            raise EventTooLargeError(
-                f"{event.type} event {event.event_id!r} is {len(value)} bytes encoded; "
-                f"the limit is {self.max_event_bytes} bytes"
-            )
-        if event.type == "run_started":
-            topic, key = self.topics.runs, event.run_id.encode()
-        else:
-            topic, key = self.topics.events, event_group_key(event.run_id, event.group_index)
-        return self.send_raw(topic, key, value)
+        """Send one validated event to its topic; returns the Kafka future.
+        EventTooLargeError above `max_event_bytes` encoded."""
+        return self.send_raw(*event_record(event, self.topics, max_bytes=self.max_event_bytes))
 
     def send_raw(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
         """Send pre-encoded bytes (already validated by the caller) and track the future."""

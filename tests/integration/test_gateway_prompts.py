@@ -13,6 +13,7 @@ import pytest
 
 from ingest.io.broker import free_port
 from ingest.io.lake import Lake
+from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import decode_event
 from tests.support.gateway_support import (
     GatewayProcess,
@@ -129,6 +130,41 @@ def test_prompt_errors(config):
         assert no_dataset.status_code == 409 and "without a dataset" in no_dataset.json()["detail"]
     with RunningGateway(config) as gw, gw.client("run-a-reader") as reader:
         assert reader.post(f"/v1/runs/{run_id}/prompts").status_code == 403
+
+
+def test_a_log_that_contradicts_the_replay_is_a_500_naming_the_group(config, kafka):
+    """A `group_started` in the log for a row the cursor's order does not give (another
+    writer, a changed dataset) stops the restore with a one-line 500, and nothing is served."""
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client, rollout_shuffle=False)  # group 0 would serve row 0
+        version = client.get("/v1/datasets/math").json()["version"]
+        with RolloutPublisher(kafka, create_topics=False) as publisher:
+            publisher.group_started(run_id, group_index=0, step=0, n_samples=4,
+                                    prompt_ref={"dataset": "math", "version": version, "row": 5})
+        refused = client.post(f"/v1/runs/{run_id}/prompts")
+    assert refused.status_code == 500
+    assert refused.json() == {"detail": (
+        f"cannot restore the prompt cursor of run {run_id!r}: group 0 was published with "
+        f"prompt [('math', {version}, 5)], the replay gives row 0")}
+    assert _started(kafka, run_id) == [(0, 5)]
+
+
+def test_a_logged_prompt_ref_without_a_version_does_not_break_the_restore(config, kafka):
+    """A producer that re-sent a served group's `group_started` without `version` (the
+    contract allows it): the first-serve restore pins the version the gateway's own
+    event names and continues after that group."""
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client, rollout_shuffle=False)
+        version = client.get("/v1/datasets/math").json()["version"]
+        with RolloutPublisher(kafka, create_topics=False) as publisher:
+            for ref in ({"dataset": "math", "version": version, "row": 0},
+                        {"dataset": "math", "row": 0}):
+                publisher.group_started(run_id, group_index=0, step=0, n_samples=4,
+                                        prompt_ref=ref)
+        served = _serve(client, run_id, 2)
+    assert [(g["group_index"], g["prompt_ref"]) for g in served] == [
+        (1, {"dataset": "math", "version": version, "row": 1}),
+        (2, {"dataset": "math", "version": version, "row": 2})]
 
 
 def _started(kafka, run_id):

@@ -199,3 +199,13 @@ def test_cli_hashes_tokens_and_fails_in_one_line(tmp_path):
     no_tokens = cli("--lake", str(tmp_path))
     assert no_tokens.returncode == 2
     assert no_tokens.stderr.strip().count("\n") == 0 and "no bearer token" in no_tokens.stderr
+
+
+def test_a_run_config_over_the_event_limit_is_a_422_naming_the_limit(gw):
+    """Under the body limit, over the 8 MiB an event may have: refused before publishing."""
+    big = {f"k{i}": "x" * 1_000_000 for i in range(9)}  # each value within the object bound
+    with gw.client() as client:
+        response = client.post("/v1/runs", json={"run_id": "big", "config": {**CONFIG, **big}})
+        assert response.status_code == 422, response.text[:300]
+        assert "the limit is 8388608 bytes" in response.json()["detail"]
+        assert client.get("/v1/runs/big").status_code == 404

@@ -1,9 +1,7 @@
-"""Prompt serving: the next N prompt groups of a run's dataset, with a durable cursor.
+"""`PromptService`: the next N prompt groups of a run's dataset, with a durable cursor.
 
-Order (MILES_SEMANTICS 3.3/3.4): recycled groups first (FIFO), then the dataset in epoch
-order, epoch e being `numpy.random.default_rng(seed + e).permutation(n)` of the original
-rows (or the original order with `rollout_shuffle: false`). A request may wrap any number
-of epochs. `seed` is the run config's `rollout_seed` (default 42).
+The order is `gateway.prompts.cursor.take`'s; `seed` is the run config's `rollout_seed`
+(default 42). Errors are `schemas.errors` domain errors (the app maps them to HTTP).
 
 Durability: the acknowledged `group_started` events on the events topic are the cursor's
 write-ahead log; the Delta table `prompt_cursor` is a checkpoint of it.
@@ -32,32 +30,29 @@ write-ahead log; the Delta table `prompt_cursor` is a checkpoint of it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 
-import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
-from kafka import TopicPartition
-from kafka.errors import KafkaError
 from starlette.concurrency import run_in_threadpool
 
 from gateway.datasets import DATASET_NAME, DatasetStore
-from gateway.errors import ApiError
 from gateway.producer import GatewayProducer
+from gateway.prompts.checkpoints import CursorCheckpoints
+from gateway.prompts.cursor import Cursor, Issued, roll_forward, take
+from gateway.prompts.wal import read_group_log
 from gateway.runs import RunInfo, RunRegistry
-from ingest.io.lake import Lake, TxnMark
-from schemas.errors import BrokerUnavailableError, EventValidationError
-from schemas.events import GroupStarted, decode_event, encode_event, event_group_key, parse_event
-from schemas.tables import PROMPT_CURSOR, PROMPT_CURSOR_WAL
+from ingest.io.kafka import Record, event_record
+from ingest.io.lake import Lake
+from schemas.errors import ConflictError, NotFoundError
+from schemas.events import parse_event
 
 log = logging.getLogger(__name__)
 
@@ -68,76 +63,6 @@ DEFAULT_SEED = 42
 # step therefore applies within about this long.
 RUN_INFO_TTL_S = 1.0
 STEPS_TTL_S = 0.25
-# Roll-forward reads: poll timeout, and the quiet poll that confirms the end (Tansu
-# under-reports end offsets of multi-record batches, so end_offsets alone stops early).
-WAL_POLL_MS = 200
-WAL_QUIET_MS = 500
-WAL_READ_LIMIT_S = 300.0
-_GROUP_STARTED = frozenset({"group_started"})
-
-
-@dataclass(frozen=True)
-class Cursor:
-    """Where a run's prompt stream stands (one `prompt_cursor` row). `seq` numbers the
-    checkpoints: it is the seq of the last checkpoint written, not a request counter."""
-
-    run_id: str
-    seq: int
-    dataset: str
-    dataset_version: int
-    seed: int
-    shuffle: bool
-    epoch: int = 0
-    offset: int = 0
-    next_group_index: int = 0
-    recycle_rows: tuple[int, ...] = ()
-    recycle_groups: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Issued:
-    group_index: int
-    row: int
-    epoch: int | None  # None for a recycled group
-    recycled_from: int | None
-
-
-@functools.lru_cache(maxsize=16)
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Row order of one epoch; depends only on (n, seed, epoch), so it survives restarts."""
-    if not shuffle:
-        return np.arange(n)
-    return np.random.default_rng(seed + epoch).permutation(n)
-
-
-def take(cursor: Cursor, n_rows: int, count: int) -> tuple[Cursor, list[Issued]]:
-    """The next `count` groups: recycled first, then epoch order, rolling over epochs.
-
-    `take(take(c, a), b)` issues the same groups as `take(c, a + b)`, so the roll-forward
-    may replay any number of requests as one."""
-    issued: list[Issued] = []
-    group = cursor.next_group_index
-    recycled = min(count, len(cursor.recycle_rows))
-    for row, origin in zip(cursor.recycle_rows[:recycled], cursor.recycle_groups[:recycled],
-                           strict=True):
-        issued.append(Issued(group, row, None, origin))
-        group += 1
-    epoch, offset = cursor.epoch, cursor.offset
-    while len(issued) < count:
-        if offset >= n_rows:
-            epoch, offset = epoch + 1, 0
-        order = epoch_order(n_rows, cursor.seed, epoch, cursor.shuffle)
-        chunk = order[offset: offset + count - len(issued)]
-        for row in chunk.tolist():
-            issued.append(Issued(group, row, epoch, None))
-            group += 1
-        offset += len(chunk)
-    after = replace(
-        cursor, epoch=epoch, offset=offset, next_group_index=group,
-        recycle_rows=cursor.recycle_rows[recycled:],
-        recycle_groups=cursor.recycle_groups[recycled:],
-    )
-    return after, issued
 
 
 class _Cached:
@@ -188,7 +113,7 @@ class _Request:
 @dataclass
 class _Prepared:
     after: Cursor
-    records: list[tuple[str, bytes, bytes]]
+    records: list[Record]
     answers: list[tuple[_Request, list[dict[str, Any]]]]
     issued: list[tuple[int, int]]
 
@@ -225,6 +150,7 @@ class PromptService:
         self.datasets = datasets
         self.runs = runs
         self.producer = producer
+        self.checkpoints = CursorCheckpoints(lake, producer.topics.events)
         self.checkpoint_groups = checkpoint_groups
         self.checkpoint_interval_s = checkpoint_interval_s
         self._states: dict[str, _RunState] = {}
@@ -257,7 +183,7 @@ class PromptService:
                     return
                 cursor, issued = state.cursor, list(state.unsaved)
                 offsets = dict(state.wal_offsets)
-            seq = self._write(run_id, cursor, issued, offsets)
+            seq = self.checkpoints.write(run_id, cursor, issued, offsets)
             with state.lock:
                 self._saved(run_id, state, cursor, seq, len(issued))
 
@@ -309,7 +235,7 @@ class PromptService:
                             _answer(batch[0], await run_in_threadpool(
                                 self._recycle, run_id, state, batch[0].groups))
                         else:
-                            _answer(batch[0], await self._describe(run_id, state))
+                            _answer(batch[0], await self._cursor_answer(run_id, state))
                     except Exception as err:  # every waiter of the batch gets the failure
                         for request in batch:
                             if not request.future.done():
@@ -341,20 +267,21 @@ class PromptService:
                     state.wal_offsets[ack.partition] = ack.offset + 1
             state.unsaved.extend(prepared.issued)
             state.recent_rows.update(prepared.issued)
-            described = _describe(state.cursor)
+            described = state.cursor.describe()
         for request, out in prepared.answers:
             _answer(request, {"run_id": run_id, "groups": out, "cursor": described})
 
-    async def _describe(self, run_id: str, state: _RunState) -> dict[str, Any]:
+    async def _cursor_answer(self, run_id: str, state: _RunState) -> dict[str, Any]:
         if state.cursor is None or state.fenced:
             def restore() -> None:
                 with state.lock:
-                    if state.cursor is None and not state.fenced and self._load(run_id) is None:
-                        raise ApiError(404, f"run {run_id!r} has not been served any prompts yet")
+                    if state.cursor is None and not state.fenced and \
+                            self.checkpoints.last(run_id) is None:
+                        raise NotFoundError(f"run {run_id!r} has not been served any prompts yet")
                     self._current(run_id, state)
             await run_in_threadpool(restore)
         assert state.cursor is not None
-        return _describe(state.cursor)
+        return state.cursor.describe()
 
     def _recycle(self, run_id: str, state: _RunState, group_indices: list[int]) -> dict[str, Any]:
         with state.checkpoint_lock, state.lock:
@@ -362,24 +289,24 @@ class PromptService:
             known = self._issued_rows(run_id, state)
             unknown = [g for g in group_indices if g not in known]
             if unknown:
-                raise ApiError(404, f"groups {unknown[:10]} of run {run_id!r} were not issued by "
-                                    "this gateway, so they cannot be recycled")
+                raise NotFoundError(f"groups {unknown[:10]} of run {run_id!r} were not issued "
+                                    "by this gateway, so they cannot be recycled")
             fresh = [g for g in dict.fromkeys(group_indices) if g not in cursor.recycle_groups]
             after = replace(cursor,
                             recycle_rows=cursor.recycle_rows + tuple(known[g] for g in fresh),
                             recycle_groups=cursor.recycle_groups + tuple(fresh))
             self._save(run_id, state, after)
             assert state.cursor is not None
-            return {"run_id": run_id, "cursor": _describe(state.cursor)}
+            return {"run_id": run_id, "cursor": state.cursor.describe()}
 
     def _info(self, run_id: str, state: _RunState) -> RunInfo:
         if state.info is None:
             state.info = _Cached(lambda: self.runs.get(run_id), RUN_INFO_TTL_S)
         info = state.info.get()
         if info is None:
-            raise ApiError(404, f"run {run_id!r} is unknown (no run_started on the runs topic)")
+            raise NotFoundError(f"run {run_id!r} is unknown (no run_started on the runs topic)")
         if info.dataset is None:
-            raise ApiError(409, f"run {run_id!r} was started without a dataset to serve from")
+            raise ConflictError(f"run {run_id!r} was started without a dataset to serve from")
         return info
 
     def _sealed_steps(self, run_id: str, state: _RunState) -> int:
@@ -401,14 +328,17 @@ class PromptService:
         step_now: int | None = None
         served: list[tuple[_Request, list[Issued], int]] = []
         for request in batch:
-            if request.step is None and step_now is None:
-                step_now = self._sealed_steps(run_id, state)
+            step = request.step
+            if step is None:
+                if step_now is None:
+                    step_now = self._sealed_steps(run_id, state)
+                step = step_now
             cursor, issued = take(cursor, rows.num_rows, request.count)
-            served.append((request, issued, request.step if request.step is not None else step_now))
+            served.append((request, issued, step))
         n_samples = info.config.n_samples_per_prompt
         ref = {"dataset": cursor.dataset, "version": cursor.dataset_version}
         answers: list[tuple[_Request, list[dict[str, Any]]]] = []
-        records = []
+        records: list[Record] = []
         for request, issued, step in served:
             picked = rows.take(pa.array([i.row for i in issued], pa.int64())).to_pydict()
             out = []
@@ -426,8 +356,7 @@ class PromptService:
                     "type": "group_started", "schema_version": 1, "run_id": run_id,
                     "producer": "gateway", **group,
                 })
-                records.append((self.producer.topics.events,
-                                event_group_key(run_id, item.group_index), encode_event(event)))
+                records.append(event_record(event, self.producer.topics))
                 out.append({**group, "epoch": item.epoch, "recycled_from": item.recycled_from})
             answers.append((request, out))
         issued_all = [(i.group_index, i.row) for _, issued, _ in served for i in issued]
@@ -439,8 +368,7 @@ class PromptService:
         """The run's cursor, restored on first use (caller holds `state.lock`)."""
         if state.fenced:
             _forget(state)
-            raise ApiError(409, f"the prompt cursor of run {run_id!r} moved concurrently "
-                                "(another gateway?); retry the request")
+            raise _moved(run_id)
         if state.cursor is None:
             self._restore(run_id, state)
         assert state.cursor is not None
@@ -448,26 +376,19 @@ class PromptService:
 
     def _restore(self, run_id: str, state: _RunState) -> None:
         """Last checkpoint + roll-forward over the run's `group_started` events after it."""
-        saved = self._load(run_id)
-        offsets = self._load_wal_offsets(run_id, saved.seq) if saved is not None else {}
-        logged, seen = self._read_log(run_id, offsets)
+        saved = self.checkpoints.last(run_id)
+        offsets = self.checkpoints.log_start(run_id, saved.seq) if saved is not None else {}
+        logged, seen = read_group_log(self.producer.kafka, self.producer.topics.events, run_id,
+                                      offsets)
         base = saved
         if base is None:
             base = self._fresh(run_id, self._info(run_id, state))
-            pinned = {r[1] for refs in logged.values() for r in refs if r[0] == base.dataset}
+            pinned = {version for refs in logged.values() for dataset, version, _ in refs
+                      if dataset == base.dataset and version is not None}
             if pinned:  # served before, crashed before the first checkpoint: keep its version
                 base = replace(base, dataset_version=min(pinned))
-        end = base.next_group_index
-        while end in logged:
-            end += 1
         n_rows = self.datasets.rows(base.dataset, base.dataset_version).num_rows
-        cursor, issued = take(base, n_rows, end - base.next_group_index)
-        for item in issued:
-            if (base.dataset, base.dataset_version, item.row) not in logged[item.group_index]:
-                raise ApiError(500, f"cannot restore the prompt cursor of run {run_id!r}: group "
-                                    f"{item.group_index} was published with prompt "
-                                    f"{sorted(logged[item.group_index])}, the replay gives row "
-                                    f"{item.row}")
+        cursor, issued = roll_forward(base, n_rows, logged)
         state.cursor, state.saved, state.saved_at = cursor, saved, time.monotonic()
         state.rows = None
         state.unsaved = [(i.group_index, i.row) for i in issued]
@@ -477,117 +398,31 @@ class PromptService:
                              for p in offsets.keys() | seen.keys()}
         if issued:
             log.info("run %s: rolled the prompt cursor forward by %d groups from checkpoint "
-                     "%s to group %d", run_id, len(issued), saved.seq if saved else None, end)
+                     "%s to group %d", run_id, len(issued), saved.seq if saved else None,
+                     cursor.next_group_index)
         if saved is None:
             # Pin the dataset version and seed before the first group is handed out; the
             # log does not carry them. (No other writer can run: the cursor was None.)
-            seq = self._write(run_id, cursor, list(state.unsaved), dict(state.wal_offsets))
+            seq = self.checkpoints.write(run_id, cursor, list(state.unsaved),
+                                         dict(state.wal_offsets))
             self._saved(run_id, state, cursor, seq, len(state.unsaved))
 
     def _fresh(self, run_id: str, info: RunInfo) -> Cursor:
         # The run's dataset is a free string on the wire: never let it name another folder.
-        valid = info.dataset is not None and re.match(DATASET_NAME, info.dataset)
-        table = self.datasets.table(info.dataset) if valid else None
-        if table is None:
-            raise ApiError(409, f"run {run_id!r} serves dataset {info.dataset!r}, which does "
+        dataset = info.dataset
+        table = (self.datasets.table(dataset)
+                 if dataset is not None and re.match(DATASET_NAME, dataset) else None)
+        if dataset is None or table is None:
+            raise ConflictError(f"run {run_id!r} serves dataset {dataset!r}, which does "
                                 "not exist; upload it with POST /v1/datasets/{name}")
         extra = info.config.extra_args
-        assert info.dataset is not None
-        return Cursor(run_id=run_id, seq=0, dataset=info.dataset, dataset_version=table.version(),
+        return Cursor(run_id=run_id, seq=0, dataset=dataset, dataset_version=table.version(),
                       seed=int(extra.get("rollout_seed", DEFAULT_SEED)),
                       shuffle=bool(extra.get("rollout_shuffle", True)))
 
-    def _rows(self, run_id: str) -> pa.Table:
-        return self.lake.read(PROMPT_CURSOR.name, filter=pc.field("run_id") == run_id)
-
-    def _load(self, run_id: str) -> Cursor | None:
-        table = self._rows(run_id)
-        if table.num_rows == 0:
-            return None
-        last = table.take([pc.index(table["seq"], pc.max(table["seq"])).as_py()]).to_pylist()[0]
-        return Cursor(
-            run_id=run_id, seq=last["seq"], dataset=last["dataset"],
-            dataset_version=last["dataset_version"], seed=last["seed"], shuffle=last["shuffle"],
-            epoch=last["epoch"], offset=last["offset"], next_group_index=last["next_group_index"],
-            recycle_rows=tuple(last["recycle_rows"]), recycle_groups=tuple(last["recycle_groups"]),
-        )
-
-    def _load_wal_offsets(self, run_id: str, seq: int) -> dict[int, int]:
-        """Where the log of checkpoint `seq` starts, per partition ({} = from the beginning)."""
-        if not self.lake.exists(PROMPT_CURSOR_WAL.name):
-            return {}
-        table = self.lake.read(PROMPT_CURSOR_WAL.name, filter=(pc.field("run_id") == run_id)
-                               & (pc.field("seq") == seq))
-        topic = self.producer.topics.events
-        for row in table.to_pylist()[-1:]:
-            if row["topic"] == topic:
-                return dict(zip(row["partitions"], row["offsets"], strict=True))
-        return {}
-
-    def _read_log(self, run_id: str, start: dict[int, int]
-                  ) -> tuple[dict[int, set[tuple[str, int | None, int]]], dict[int, int]]:
-        """The run's `group_started` events from `start` to the end of the events topic:
-        group -> {(dataset, version, row)}, and per partition the offset after the last."""
-        topic = self.producer.topics.events
-        prefix = f"{run_id}:".encode()
-        logged: dict[int, set[tuple[str, int | None, int]]] = {}
-        seen: dict[int, int] = {}
-        consumer = self.producer.kafka.consumer()
-        try:
-            parts = [TopicPartition(topic, p)
-                     for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-            consumer.assign(parts)
-            first = consumer.beginning_offsets(parts)
-            for tp in parts:
-                at = start.get(tp.partition, 0)
-                if first[tp] > at:
-                    raise ApiError(503, f"cannot restore the prompt cursor of run {run_id!r}: "
-                                        f"{topic} partition {tp.partition} no longer holds "
-                                        f"offset {at} (retention?)")
-                consumer.seek(tp, at)
-            end = consumer.end_offsets(parts)
-            deadline = time.monotonic() + WAL_READ_LIMIT_S
-            while time.monotonic() < deadline:
-                polled = consumer.poll(WAL_POLL_MS)
-                if not polled:
-                    if any(consumer.position(tp) < end[tp] for tp in parts):
-                        continue
-                    polled = consumer.poll(WAL_QUIET_MS)  # past the reported end: until quiet
-                    if not polled:
-                        break
-                for tp, records in polled.items():
-                    for record in records:
-                        if not (record.key or b"").startswith(prefix) or \
-                                b"group_started" not in record.value:
-                            continue
-                        try:
-                            event = decode_event(record.value, allowed=_GROUP_STARTED)
-                        except EventValidationError:
-                            continue
-                        assert isinstance(event, GroupStarted)
-                        if event.run_id != run_id or event.prompt_ref is None:
-                            continue
-                        ref = event.prompt_ref
-                        logged.setdefault(event.group_index, set()).add(
-                            (ref.dataset, getattr(ref, "version", None), ref.row))
-                        seen[tp.partition] = max(seen.get(tp.partition, 0), record.offset + 1)
-            else:
-                raise ApiError(503, f"reading {topic} to restore run {run_id!r} took over "
-                                    f"{WAL_READ_LIMIT_S:.0f} s")
-        except KafkaError as err:
-            raise BrokerUnavailableError(
-                f"could not read {topic} to restore the prompt cursor: {type(err).__name__}"
-            ) from None
-        finally:
-            consumer.close()
-        return logged, seen
-
     def _issued_rows(self, run_id: str, state: _RunState) -> dict[int, int]:
         if state.past_rows is None:
-            table = self._rows(run_id)
-            state.past_rows = dict(zip(pc.list_flatten(table["issued_groups"]).to_pylist(),
-                                       pc.list_flatten(table["issued_rows"]).to_pylist(),
-                                       strict=True))
+            state.past_rows = self.checkpoints.issued_rows(run_id)
         return {**state.past_rows, **state.recent_rows}
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -595,29 +430,10 @@ class PromptService:
     def _save(self, run_id: str, state: _RunState, cursor: Cursor) -> None:
         """Checkpoint `cursor` synchronously and adopt it (caller holds both locks)."""
         issued = list(state.unsaved)
-        seq = self._write(run_id, cursor, issued, dict(state.wal_offsets))
+        seq = self.checkpoints.write(run_id, cursor, issued, dict(state.wal_offsets))
         if seq is not None:
             state.cursor = cursor
         self._saved(run_id, state, cursor, seq, len(issued))
-
-    def _write(self, run_id: str, cursor: Cursor, issued: list[tuple[int, int]],
-               offsets: dict[int, int]) -> int | None:
-        """Append checkpoint seq+1 (its log offsets first); None if that seq already exists."""
-        seq = cursor.seq + 1
-        now = datetime.now(UTC)
-        parts = sorted(offsets)
-        self.lake.append(PROMPT_CURSOR_WAL.name, pa.Table.from_pylist([{
-            "run_id": run_id, "seq": seq, "topic": self.producer.topics.events,
-            "partitions": parts, "offsets": [offsets[p] for p in parts], "committed_at": now,
-        }], schema=PROMPT_CURSOR_WAL.schema))
-        row = {**replace(cursor, seq=seq).__dict__, "recycle_rows": list(cursor.recycle_rows),
-               "recycle_groups": list(cursor.recycle_groups),
-               "issued_groups": [g for g, _ in issued], "issued_rows": [r for _, r in issued],
-               "committed_at": now}
-        table = pa.Table.from_pylist([row], schema=PROMPT_CURSOR.schema)
-        version = self.lake.append(PROMPT_CURSOR.name, table,
-                                   marks=[TxnMark(f"prompt-cursor-{run_id}", seq)])
-        return None if version is None else seq
 
     def _saved(self, run_id: str, state: _RunState, cursor: Cursor, seq: int | None,
                n_issued: int) -> None:
@@ -626,8 +442,7 @@ class PromptService:
             state.fenced = True
             log.error("prompt cursor of run %s: checkpoint %d exists already (another "
                       "gateway serves this run?); reloading", run_id, cursor.seq + 1)
-            raise ApiError(409, f"the prompt cursor of run {run_id!r} moved concurrently "
-                                "(another gateway?); retry the request")
+            raise _moved(run_id)
         saved = replace(cursor, seq=seq)
         written, state.unsaved = state.unsaved[:n_issued], state.unsaved[n_issued:]
         if state.past_rows is not None:
@@ -670,10 +485,6 @@ def _forget(state: _RunState) -> None:
     state.fenced = False
 
 
-def _describe(cursor: Cursor) -> dict[str, Any]:
-    return {
-        "dataset": cursor.dataset, "dataset_version": cursor.dataset_version,
-        "seed": cursor.seed, "shuffle": cursor.shuffle, "epoch": cursor.epoch,
-        "offset": cursor.offset, "next_group_index": cursor.next_group_index,
-        "recycle_groups": list(cursor.recycle_groups), "seq": cursor.seq,
-    }
+def _moved(run_id: str) -> ConflictError:
+    return ConflictError(f"the prompt cursor of run {run_id!r} moved concurrently "
+                         "(another gateway?); retry the request")
