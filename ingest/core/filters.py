@@ -111,17 +111,25 @@ class FilterArgs:
 # ---------------------------------------------------------------- Miles sample views
 
 
+def _as_list(values: Any) -> list[Any] | None:
+    return None if values is None else np.asarray(values).tolist()
+
+
 def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesSample:
     metadata = {**group.metadata, **rollout.metadata}
     if fragment is None:
-        prompt_tokens: list[int] = []
-        response_tokens: list[int] = []
+        tokens: list[int] = []
+        response_length = 0
         loss_mask = log_probs = None
         response = ""
     else:
         metadata.update(fragment.metadata)
-        prompt_tokens, response_tokens = fragment.prompt_tokens, fragment.response_tokens
-        loss_mask, log_probs = fragment.loss_mask, fragment.rollout_log_probs
+        # Miles samples hold Python lists; the fragment's arrays are read-only numpy.
+        tokens = np.concatenate([np.asarray(fragment.prompt_tokens, np.int64),
+                                 np.asarray(fragment.response_tokens, np.int64)]).tolist()
+        response_length = fragment.response_length
+        loss_mask = _as_list(fragment.loss_mask)
+        log_probs = _as_list(fragment.rollout_log_probs)
         response = fragment.response_text or ""
     return MilesSample(
         group_index=group.group_index,
@@ -131,11 +139,11 @@ def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesS
         reward=copy.deepcopy(rollout.reward),
         prompt=copy.deepcopy(group.prompt) if group.prompt is not None else "",
         label=copy.deepcopy(group.label),
-        tokens=[*prompt_tokens, *response_tokens],
+        tokens=tokens,
         response=response,
-        response_length=len(response_tokens),
-        loss_mask=None if loss_mask is None else list(loss_mask),
-        rollout_log_probs=None if log_probs is None else list(log_probs),
+        response_length=response_length,
+        loss_mask=loss_mask,
+        rollout_log_probs=log_probs,
         weight_versions=[] if rollout.weight_version is None else [rollout.weight_version],
         metadata=copy.deepcopy(metadata),
     )
