@@ -91,12 +91,12 @@ def _list_column(values: list[Any], type_: pa.ListType) -> pa.ListArray:
     item = type_.value_type.to_pandas_dtype()
     arrays = [_NO_VALUES if v is None else np.asarray(v) for v in values]
     offsets = np.zeros(len(arrays) + 1, np.int32)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    # from an array: np.cumsum of a Python list with `out=` takes a slow generic path
+    np.cumsum(np.fromiter(map(len, arrays), np.int32, len(arrays)), out=offsets[1:])
     flat = np.concatenate(arrays).astype(item, copy=False) if arrays else _NO_VALUES.astype(item)
-    nulls = pa.array([v is None for v in values], pa.bool_())
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type_.value_type),
-                                    type=type_, mask=nulls if any(v is None for v in values)
-                                    else None)
+    nulls = [v is None for v in values]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type_.value_type), type=type_,
+                                    mask=pa.array(nulls, pa.bool_()) if any(nulls) else None)
 
 
 def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) -> pa.Table:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ingest.core.assembly import GroupBuilder
 from ingest.core.batching import RunBatcher
 from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.filters import miles_group
 from ingest.core.model import FilterVerdict
 from schemas.errors import EventValidationError
 from schemas.events import EVENT_MODELS, RunConfig, decode_event, encode_event
@@ -204,3 +205,22 @@ def test_the_json_schema_takes_both_forms_and_refuses_a_wrong_dtype():
     wrong = {**packed, "loss_mask": {"dtype": "float32", "b64": ""}}
     assert [e.json_path for e in validator.iter_errors(wrong)] == ["$.loss_mask"]
     assert "compact form" in json.dumps(schema["properties"]["response_tokens"])
+
+
+def test_user_filters_get_python_lists_and_the_built_in_filter_no_token_lists():
+    """Miles filters index, add and compare `tokens` as lists; the arrays are numpy
+    inside. The built-in DAPO filter reads rewards only, so its samples carry no lists."""
+    builder = GroupBuilder("r", 0, 0.0)
+    builder.apply(decode_event(orjson.dumps({"event_id": "s", "type": "group_started",
+                                             "schema_version": 1, "run_id": "r",
+                                             "group_index": 0, "step": 0, "n_samples": 1})))
+    builder.apply(decode_event(_sample_with(
+        loss_mask={"dtype": "int8", "b64": _b64([1, 0, 1], "<i1")},
+        rollout_log_probs={"dtype": "float32", "b64": _b64([-0.5, -0.25, 0], "<f4")})))
+    (full,) = miles_group(builder.group)
+    assert full.tokens == [1, 2, 3, 4, 5] and type(full.tokens[0]) is int
+    assert full.loss_mask == [1, 0, 1] and full.rollout_log_probs == [-0.5, -0.25, 0.0]
+    assert full.response_length == 3 and full.effective_response_length == 2
+    (bare,) = miles_group(builder.group, tokens_too=False)
+    assert (bare.tokens, bare.loss_mask, bare.rollout_log_probs) == ([], None, None)
+    assert (bare.reward, bare.response_length, bare.status) == (1.0, 3, "completed")
