@@ -1,6 +1,7 @@
 """Pipeline throughput and latency, side by side with bare Kafka and JSONL, in one run.
 
     .venv/bin/python bench/pipeline.py [--steps 4] [--response-len 2048] [--latency-steps 6]
+    .venv/bin/python bench/pipeline.py --preloaded-only   # only section 5
 
 One simulated stream (DAPO-like groups, log-normal responses of ~2k tokens with log-probs)
 goes through four paths on this machine, one after the other:
@@ -13,7 +14,11 @@ goes through four paths on this machine, one after the other:
      lake (the live processor's core over the archive), in events per second beside the
      live processor's;
   5. latency: the same pipeline paced below capacity; p50/p99 from a group's last event to
-     its `groups` row, and from a step's last kept group to its `steps` row.
+     its `groups` row, and from a step's last kept group to its `steps` row;
+  6. pre-loaded: the stream already in Kafka, once with JSON-list token arrays and once in
+     the SDK's compact form; per form, a bare consumer that reads and `orjson`-parses every
+     message (the ceiling) beside `rolloutlake process --until-idle` (spawn to last `steps`
+     row, start-up to its first `groups` row shown apart).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from ingest.io.lake import Lake
 from ingest.io.tail import TableTail
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
+from schemas.token_arrays import TOKEN_IDS, decode_token_array
 
 
 def stream(sim: SimulationConfig) -> list[list[bytes]]:
@@ -53,7 +59,7 @@ def response_tokens(groups: list[list[bytes]]) -> tuple[int, int]:
         for raw in events:
             body = orjson.loads(raw)
             if body["type"] in ("sample_finished", "compaction_fragment"):
-                tokens += len(body["response_tokens"])
+                tokens += len(decode_token_array(TOKEN_IDS, body["response_tokens"]))
                 samples += body["type"] == "sample_finished"
     return tokens, samples
 
@@ -103,13 +109,102 @@ def bench_bare_kafka(kafka: KafkaSettings, groups: list[list[bytes]]) -> float:
     return elapsed
 
 
-def _spawn(kafka: KafkaSettings, lake: str) -> subprocess.Popen:
+def _spawn(kafka: KafkaSettings, lake: str, idle_s: float = 10.0) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
          kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-         "--event-partitions", "1", "--until-idle", "10"],
+         "--event-partitions", "1", "--until-idle", str(idle_s)],
         stderr=subprocess.DEVNULL,
     )
+
+
+def preload(kafka: KafkaSettings, run_id: str, config: dict, groups: list[list[bytes]]) -> None:
+    """Publish the run's config and every event, and wait until all are acknowledged."""
+    kafka.ensure_topics()
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(run_id, config)
+        for index, events in enumerate(groups):
+            key = event_group_key(run_id, index)
+            for raw in events:
+                pub.send_raw(pub.topics.events, key, raw)
+
+
+def bench_consume_parse(kafka: KafkaSettings) -> float:
+    """The ceiling: one kafka-python consumer reads the pre-loaded events topic to its end
+    and parses every message with orjson."""
+    consumer = kafka.consumer(group_id=None)
+    tp = TopicPartition(kafka.topics.events, 0)
+    consumer.assign([tp])
+    end = consumer.end_offsets([tp])[tp]
+    consumer.seek_to_beginning(tp)
+    start = time.perf_counter()
+    position = 0
+    while position < end:
+        for records in consumer.poll(timeout_ms=200).values():
+            for record in records:
+                orjson.loads(record.value)
+            position = records[-1].offset + 1
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return elapsed
+
+
+def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
+                            expect_steps: int) -> float:
+    """Seconds from spawning `rolloutlake process` to the last `steps` row over the
+    pre-loaded topic."""
+    start = time.perf_counter()
+    processor = _spawn(kafka, lake_root, idle_s=2.0)
+    watcher = Watcher(lake_root, run_id)
+    watcher.start()
+    while len(watcher.step_seen) < expect_steps and processor.poll() is None:
+        time.sleep(0.01)
+    watcher.stop.set()
+    processor.wait(timeout=120)
+    return max(watcher.step_seen.values(), default=time.perf_counter()) - start
+
+
+def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int) -> None:
+    """Each path `repeat` times, interleaved; the best time of each counts (the machine is
+    shared: the best is the run least disturbed by others)."""
+    forms = {"JSON lists": stream(sim.model_copy(update={"compact_arrays": False})),
+             "compact": stream(sim)}
+    tokens, samples = response_tokens(forms["compact"])
+    # Start-up (process start, imports, group joins) to the first committed batch, on a
+    # one-group run: subtracted below, so tokens/s is the processing rate.
+    tiny = SimulationConfig(run_id="startup", steps=1, rollout_batch_size=1, n_samples=2,
+                            response_len_mean=8, prompt_len=4, mode="open", filter_path=None,
+                            surplus_per_step=0, abort_rate=0, missing_reward_rate=0, seed=1)
+    topics = {"startup": settings("startup.")}
+    preload(topics["startup"], tiny.run_id, tiny.run_config(), stream(tiny))
+    sizes = {}
+    for index, (name, stream_) in enumerate(forms.items()):
+        topics[name] = settings(f"pre{index}.")
+        preload(topics[name], sim.run_id, sim.run_config(), stream_)
+        sizes[name] = sum(len(raw) for events in stream_ for raw in events)
+    times: dict[str, list[float]] = {}
+    for rep in range(repeat):
+        times.setdefault("startup", []).append(bench_process_preloaded(
+            topics["startup"], tiny.run_id, str(folder / f"lake-startup-{rep}"), 1))
+        for name in forms:
+            times.setdefault(f"{name} ceiling", []).append(bench_consume_parse(topics[name]))
+            times.setdefault(name, []).append(bench_process_preloaded(
+                topics[name], sim.run_id, str(folder / f"lake-{name.replace(' ', '-')}-{rep}"), sim.steps))
+    startup = min(times["startup"])
+    print(f"\npre-loaded stream, {tokens:,} response tokens ({samples} samples), best of "
+          f"{repeat}; processor start to first committed batch {startup:.2f} s "
+          f"(runs: {', '.join(f'{t:.2f}' for t in times['startup'])}; subtracted below)")
+    print(f"{'form':<12}{'MiB':>6}{'ceiling s':>11}{'ceiling tok/s':>15}{'process s':>11}"
+          f"{'process tok/s':>15}{'vs ceiling':>12}")
+    best = {}
+    for name in forms:
+        ceiling = min(times[f"{name} ceiling"])
+        seconds = best[name] = min(times[name]) - startup
+        print(f"{name:<12}{sizes[name] / 2**20:>6.0f}{ceiling:>11.2f}{tokens / ceiling:>15,.0f}"
+              f"{seconds:>11.2f}{tokens / seconds:>15,.0f}{ceiling / seconds:>11.2f}x")
+    lists_ceiling = min(times["JSON lists ceiling"])
+    print(f"compact vs JSON lists, process: {best['JSON lists'] / best['compact']:.2f}x faster; "
+          f"compact process vs the JSON-list ceiling: {lists_ceiling / best['compact']:.2f}x")
 
 
 class Watcher(threading.Thread):
@@ -197,22 +292,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps of the throughput run")
     parser.add_argument("--response-len", type=float, default=2048.0)
     parser.add_argument("--latency-steps", type=int, default=6)
+    parser.add_argument("--preloaded-only", action="store_true",
+                        help="run only the pre-loaded section (5)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each path in the pre-loaded section (the best counts)")
     args = parser.parse_args()
     sim = SimulationConfig(run_id="bench", steps=args.steps, rollout_batch_size=32, n_samples=8,
                            response_len_mean=args.response_len, prompt_len=256, mode="open",
                            duplicate_rate=0.0, seed=3)
-    groups = stream(sim)
+    groups = stream(sim)  # compact token arrays, as the SDK sends them
     tokens, samples = response_tokens(groups)
     size = sum(len(raw) for events in groups for raw in events)
     print(f"stream: {len(groups)} groups, {samples} samples, {tokens / samples:.0f} response "
-          f"tokens per sample, {size / 2**20:.0f} MiB of JSON events")
+          f"tokens per sample, {size / 2**20:.0f} MiB of JSON events (compact token arrays)")
     folder = Path(tempfile.mkdtemp(prefix="rolloutlake-bench-"))
     with EmbeddedBroker(free_port()) as broker:
         def settings(prefix: str) -> KafkaSettings:
             return KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=prefix,
                                  event_partitions=1, decision_partitions=1)
 
-        jsonl_s = bench_jsonl(groups, folder)
+        if args.preloaded_only:
+            preloaded_section(settings, sim, folder, args.repeat)
+            return
+
+        # what users do today: JSON lists
+        jsonl_s = bench_jsonl(stream(sim.model_copy(update={"compact_arrays": False})), folder)
         bare_s = bench_bare_kafka(settings("bare."), groups)
         pipe_s, _, watcher = run_pipeline(settings("pipe."), sim, groups, str(folder / "lake"),
                                           pace_s=0.0, expect_steps=args.steps)
@@ -224,6 +328,7 @@ def main() -> None:
         _, sent_at, lat = run_pipeline(settings("lat."), paced, stream(paced),
                                        str(folder / "lake-latency"), pace_s=0.05,
                                        expect_steps=args.latency_steps)
+        preloaded_section(settings, sim, folder, args.repeat)
     decided = [lat.group_seen[g] - t for g, t in sent_at.items() if g in lat.group_seen]
     lake = Lake(str(folder / "lake-latency"))
     batch = lake.read("groups", columns=["group_index", "batch_step"],

@@ -11,12 +11,14 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     PlainValidator,
     StrictInt,
     TypeAdapter,
@@ -26,7 +28,6 @@ from pydantic import (
 )
 
 from schemas.bounds import (
-    FLOAT32_MAX,
     INT32_MAX,
     INT64_MAX,
     JSON_INT_MAX,
@@ -39,6 +40,14 @@ from schemas.bounds import (
     check_text,
 )
 from schemas.errors import EventValidationError
+from schemas.token_arrays import (
+    LOG_PROBS,
+    LOSS_MASK,
+    TOKEN_IDS,
+    TokenArrayKind,
+    decode_token_array,
+    encode_token_array,
+)
 
 SCHEMA_VERSION = 1
 
@@ -68,11 +77,35 @@ PositiveInt = Annotated[StrictInt, Field(ge=1, le=INT64_MAX)]
 # Columns stored as int32: n_samples, fragment_count and fragment_index.
 PositiveInt32 = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 NonNegativeInt32 = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
-TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]
-# rollout_log_probs are stored as float32.
-LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0, le=TS_MAX)]
-LossMask = list[Literal[0, 1]]
+
+
+def _token_array(kind: TokenArrayKind, *, optional: bool = False) -> Any:
+    """A per-token field: a JSON list or a compact array on the wire, a read-only numpy
+    array in the model (schemas/token_arrays.py); written back in the compact form."""
+
+    def validate(value: Any) -> np.ndarray | None:
+        if value is None and optional:
+            return None
+        return decode_token_array(kind, value)
+
+    schema = kind.json_schema()
+    if optional:
+        schema = {"anyOf": [*schema.pop("anyOf"), {"type": "null"}], **schema}
+    return Annotated[
+        np.ndarray | None if optional else np.ndarray,
+        PlainValidator(validate),
+        PlainSerializer(lambda values: None if values is None else encode_token_array(kind, values),
+                        when_used="json"),
+        WithJsonSchema(schema),
+    ]
+
+
+# Token ids are stored as int32, loss masks as int8, rollout_log_probs as float32.
+TokenIds = _token_array(TOKEN_IDS)
+OptionalTokenIds = _token_array(TOKEN_IDS, optional=True)
+OptionalLossMask = _token_array(LOSS_MASK, optional=True)
+OptionalLogProbs = _token_array(LOG_PROBS, optional=True)
 
 
 def _bounded_object(max_bytes: int | None):
@@ -240,10 +273,10 @@ class _FragmentFields(_Event):
     rollout_id: NonNegativeInt
     prompt_tokens: TokenIds
     response_tokens: TokenIds
-    loss_mask: LossMask | None = Field(
+    loss_mask: OptionalLossMask = Field(
         default=None, description="0/1 per response token; absent means all ones."
     )
-    rollout_log_probs: list[LogProb] | None = None
+    rollout_log_probs: OptionalLogProbs = None
     metadata: JsonObject = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -314,7 +347,7 @@ class SampleAborted(_Event):
     group_index: NonNegativeInt
     rollout_id: NonNegativeInt
     reason: Annotated[str, Field(min_length=1)]
-    response_tokens: TokenIds | None = None
+    response_tokens: OptionalTokenIds = None
     recyclable: bool = False
 
 
@@ -433,7 +466,8 @@ def load_json(raw: bytes | str) -> Any:
 
 
 def encode_event(event: BaseModel) -> bytes:
-    """The canonical wire form: UTF-8 JSON without fields left at an implicit default."""
+    """The canonical wire form: UTF-8 JSON without fields left at an implicit default,
+    per-token arrays in the compact form (schemas/token_arrays.py)."""
     body = event.model_dump(mode="json", exclude_unset=True)
     # `type` and `schema_version` may be left at their defaults but are required on the wire.
     body["type"] = event.type

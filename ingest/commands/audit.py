@@ -19,8 +19,7 @@ from ingest.io.lake import Lake
 from schemas.errors import NotFoundError
 from schemas.events import run_id_argument
 from schemas.tables import TRAINING_BATCHES
-
-TOKEN_COLUMNS = ("prompt_tokens", "response_tokens", "loss_mask", "rollout_log_probs")
+from schemas.token_arrays import TOKEN_FIELDS, TOKEN_IDS, decode_token_array
 
 
 class GroupNotFound(NotFoundError):
@@ -42,7 +41,7 @@ def group_audit(lake: Lake, run_id: str, group_index: int) -> GroupAuditData:
     decision = lake.read("groups", filter=in_group).to_pylist()
     samples = lake.read("samples", filter=in_group).sort_by(
         [("rollout_id", "ascending"), ("fragment_index", "ascending")])
-    columns = [c for c in TRAINING_BATCHES.schema.names if c not in TOKEN_COLUMNS]
+    columns = [c for c in TRAINING_BATCHES.schema.names if c not in TOKEN_FIELDS]
     training = lake.read("training_batches", filter=in_group, columns=columns).sort_by(
         [("step", "ascending"), ("position", "ascending")])
     if not events.num_rows and not decision and not samples.num_rows:
@@ -68,7 +67,9 @@ def _summary(payload: dict[str, Any]) -> str:
         return f"step {payload['step']}, n_samples {payload['n_samples']}"
     parts = [f"rollout {payload.get('rollout_id')}"]
     if "response_tokens" in payload:
-        parts.append(f"{len(payload['response_tokens'])} tokens")
+        # a JSON list or a compact array: both decode to the same tokens
+        tokens = decode_token_array(TOKEN_IDS, payload["response_tokens"])
+        parts.append(f"{len(tokens)} tokens")
     for key in ("fragment_index", "status", "reward", "reason"):
         if key in payload:
             parts.append(f"{key} {payload[key]}")

@@ -34,6 +34,7 @@ from ingest.sdk.publisher import RolloutPublisher
 from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
 from schemas.events import DAPO_FILTER_PATH, SCHEMA_VERSION, RunId, event_group_key
+from schemas.token_arrays import TOKEN_FIELDS, encode_token_array
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class SimulationConfig(BaseModel):
     prompt_len: Annotated[int, Field(ge=1)] = 128
     vocab_size: Annotated[int, Field(ge=2)] = 32000
     log_probs: bool = True
+    compact_arrays: bool = True
+    """Per-token arrays in the compact typed form, as the SDK sends them (else JSON lists)."""
     abort_rate: Fraction = 0.01
     missing_reward_rate: Fraction = 0.01
     compaction_rate: Fraction = 0.05
@@ -110,6 +113,10 @@ def _event(cfg: SimulationConfig, kind: str, event_id: str, **fields: Any) -> di
             "run_id": cfg.run_id, "producer": "simulate", **fields}
 
 
+def _token_array(cfg: SimulationConfig, name: str, values: np.ndarray) -> Any:
+    return encode_token_array(TOKEN_FIELDS[name], values) if cfg.compact_arrays else values.tolist()
+
+
 def generate_group(cfg: SimulationConfig, group_index: int, step: int) -> SimGroup:
     """The events of one group; a pure function of (config, group_index): reproducible."""
     rng = np.random.default_rng([cfg.seed, group_index])
@@ -135,29 +142,31 @@ def generate_group(cfg: SimulationConfig, group_index: int, step: int) -> SimGro
         rid_base = f"{gid}-r{rid}"
         cancel.append(_event(cfg, "sample_aborted", f"{rid_base}-cancel", group_index=group_index,
                              rollout_id=rid, reason="cancelled",
-                             response_tokens=rng.integers(0, cfg.vocab_size, length // 3).tolist()))
+                             response_tokens=_token_array(cfg, "response_tokens", rng.integers(
+                                 0, cfg.vocab_size, length // 3))))
         if rng.random() < cfg.abort_rate:
             aborted = True
             events.append(_event(cfg, "sample_aborted", f"{rid_base}-abort", group_index=group_index,
                                  rollout_id=rid, reason="engine_error",
-                                 response_tokens=rng.integers(0, cfg.vocab_size, length // 2).tolist()))
+                                 response_tokens=_token_array(cfg, "response_tokens", rng.integers(
+                                     0, cfg.vocab_size, length // 2))))
             continue
         reward: float | None = float(rewards[rid])
         if rng.random() < cfg.missing_reward_rate:
             reward, missing = None, True
         n_frag = int(rng.integers(2, 5)) if rng.random() < cfg.compaction_rate else 1
         bounds = np.linspace(0, length, n_frag + 1).astype(int)
-        prompt = rng.integers(0, cfg.vocab_size, cfg.prompt_len).tolist()
+        prompt = _token_array(cfg, "prompt_tokens", rng.integers(0, cfg.vocab_size, cfg.prompt_len))
         tokens = rng.integers(0, cfg.vocab_size, length)
         logp = (-rng.exponential(0.5, length)).astype(np.float32) if cfg.log_probs else None
         for f in range(n_frag):
             lo, hi = bounds[f], max(bounds[f + 1], bounds[f] + 1)
             body: dict[str, Any] = dict(
                 group_index=group_index, rollout_id=rid, prompt_tokens=prompt,
-                response_tokens=tokens[lo:hi].tolist(),
+                response_tokens=_token_array(cfg, "response_tokens", tokens[lo:hi]),
             )
             if logp is not None:
-                body["rollout_log_probs"] = logp[lo:hi].tolist()
+                body["rollout_log_probs"] = _token_array(cfg, "rollout_log_probs", logp[lo:hi])
             if f < n_frag - 1:
                 events.append(_event(cfg, "compaction_fragment", f"{rid_base}-f{f}",
                                      fragment_index=f, **body))

@@ -17,6 +17,7 @@ import pyarrow as pa
 from ingest.core.model import Group
 from ingest.core.ordering import DECIDED, OPENED, OrderKey
 from ingest.core.rewards import numeric_reward
+from schemas.token_arrays import TOKEN_FIELDS
 
 FRAGMENTS = pa.schema(
     [
@@ -110,18 +111,33 @@ class Opened:
                         self.group_index)
 
 
-_NO_TOKENS = np.zeros(0, np.int8)
+_NO_VALUES = np.zeros(0, np.int8)
 
 
 def _json_or_none(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value).decode()
 
 
+def _list_column(values: list[Any], type_: pa.ListType) -> pa.ListArray:
+    """One list column from per-row arrays (None for a null row), in one concatenation."""
+    item = type_.value_type.to_pandas_dtype()
+    arrays = [_NO_VALUES if v is None else np.asarray(v) for v in values]
+    offsets = np.zeros(len(arrays) + 1, np.int32)
+    # from an array: np.cumsum of a Python list with `out=` takes a slow generic path
+    np.cumsum(np.fromiter(map(len, arrays), np.int32, len(arrays)), out=offsets[1:])
+    flat = np.concatenate(arrays).astype(item, copy=False) if arrays else _NO_VALUES.astype(item)
+    nulls = [v is None for v in values]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type_.value_type), type=type_,
+                                    mask=pa.array(nulls, pa.bool_()) if any(nulls) else None)
+
+
 def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) -> pa.Table:
-    """Flatten a group into FRAGMENTS rows; token columns stay empty when not needed."""
+    """Flatten a group into FRAGMENTS rows; token columns stay empty when not needed.
+
+    Token arrays go to Arrow as numpy buffers (one concatenation per column), never as
+    Python objects per token.
+    """
     cols: dict[str, list[Any]] = {name: [] for name in FRAGMENTS.names}
-    # Masks are mostly absent (all ones): build that column from numpy, not Python lists.
-    masks: list[np.ndarray] = []
 
     def add(rollout, index, fragment) -> None:
         cols["rollout_id"].append(rollout.rollout_id)
@@ -138,8 +154,7 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
         meta = dict(rollout.metadata)
         if fragment is None:
             length = effective = int(meta.get("partial_response_length", 0))
-            prompt = response = []
-            mask = _NO_TOKENS
+            prompt = response = mask = _NO_VALUES
             log_probs = None
         else:
             meta = {**fragment.metadata, **meta} if fragment.metadata else meta
@@ -147,18 +162,17 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
             if with_tokens:
                 prompt, response = fragment.prompt_tokens, fragment.response_tokens
                 mask = (np.ones(length, np.int8) if fragment.loss_mask is None
-                        else np.asarray(fragment.loss_mask, np.int8))
+                        else fragment.loss_mask)
                 log_probs = fragment.rollout_log_probs
             else:
-                prompt = response = []
-                mask = _NO_TOKENS
+                prompt = response = mask = _NO_VALUES
                 log_probs = None
         cols["response_length"].append(length)
         cols["effective_length"].append(effective)
         cols["metadata_json"].append(_json_or_none(meta) if meta else None)
         cols["prompt_tokens"].append(prompt)
         cols["response_tokens"].append(response)
-        masks.append(mask)
+        cols["loss_mask"].append(mask)
         cols["rollout_log_probs"].append(log_probs)
 
     for rollout in group.ordered_rollouts():
@@ -167,9 +181,7 @@ def fragments_table(group: Group, reward_key: str | None, *, with_tokens: bool) 
             add(rollout, 0, None)
         for fragment in fragments:
             add(rollout, fragment.fragment_index, fragment)
-    offsets = np.zeros(len(masks) + 1, np.int32)
-    np.cumsum([len(m) for m in masks], out=offsets[1:])
-    flat = np.concatenate(masks) if masks else _NO_TOKENS
-    columns = {name: values for name, values in cols.items() if name != "loss_mask"}
-    columns["loss_mask"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int8()))
+    columns = {name: (_list_column(values, FRAGMENTS.field(name).type)
+                      if name in TOKEN_FIELDS else values)
+               for name, values in cols.items()}
     return pa.table(columns, schema=FRAGMENTS)

@@ -108,18 +108,23 @@ class FilterArgs:
 # ---------------------------------------------------------------- Miles sample views
 
 
-def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesSample:
+def _as_list(values: Any) -> list[Any] | None:
+    return None if values is None else np.asarray(values).tolist()
+
+
+def _sample(group: Group, rollout: Rollout, fragment: Fragment | None,
+            tokens_too: bool = True) -> MilesSample:
     metadata = {**group.metadata, **rollout.metadata}
-    if fragment is None:
-        prompt_tokens: list[int] = []
-        response_tokens: list[int] = []
-        loss_mask = log_probs = None
-        response = ""
-    else:
+    tokens: list[int] = []
+    loss_mask = log_probs = None
+    if fragment is not None:
         metadata.update(fragment.metadata)
-        prompt_tokens, response_tokens = fragment.prompt_tokens, fragment.response_tokens
-        loss_mask, log_probs = fragment.loss_mask, fragment.rollout_log_probs
-        response = fragment.response_text or ""
+        if tokens_too:
+            # Miles samples hold Python lists; the fragment's arrays are read-only numpy.
+            tokens = np.concatenate([np.asarray(fragment.prompt_tokens, np.int64),
+                                     np.asarray(fragment.response_tokens, np.int64)]).tolist()
+            loss_mask = _as_list(fragment.loss_mask)
+            log_probs = _as_list(fragment.rollout_log_probs)
     return MilesSample(
         group_index=group.group_index,
         index=rollout.sample_index,
@@ -128,22 +133,24 @@ def _sample(group: Group, rollout: Rollout, fragment: Fragment | None) -> MilesS
         reward=copy.deepcopy(rollout.reward),
         prompt=copy.deepcopy(group.prompt) if group.prompt is not None else "",
         label=copy.deepcopy(group.label),
-        tokens=[*prompt_tokens, *response_tokens],
-        response=response,
-        response_length=len(response_tokens),
-        loss_mask=None if loss_mask is None else list(loss_mask),
-        rollout_log_probs=None if log_probs is None else list(log_probs),
+        tokens=tokens,
+        response="" if fragment is None else fragment.response_text or "",
+        response_length=0 if fragment is None else fragment.response_length,
+        loss_mask=loss_mask,
+        rollout_log_probs=log_probs,
         weight_versions=[] if rollout.weight_version is None else [rollout.weight_version],
         metadata=copy.deepcopy(metadata),
     )
 
 
-def miles_group(group: Group) -> list[MilesSample | list[MilesSample]]:
+def miles_group(group: Group, *, tokens_too: bool = True) -> list[MilesSample | list[MilesSample]]:
     """The group in Miles nesting: one element per rollout, a list for compacted rollouts.
 
     Every fragment carries its rollout's reward and status. A rollout with no fragment (an
     abort before any output) is one empty sample. Raises ValueError for an unfinished
-    rollout: only decided-complete groups reach the filter chain.
+    rollout: only decided-complete groups reach the filter chain. `tokens_too=False`
+    leaves `tokens`, `loss_mask` and `rollout_log_probs` empty, for a filter that reads
+    rewards only: they are Python lists, a Python object per token.
     """
     out: list[MilesSample | list[MilesSample]] = []
     for rollout in group.ordered_rollouts():
@@ -153,9 +160,9 @@ def miles_group(group: Group) -> list[MilesSample | list[MilesSample]]:
             )
         fragments = rollout.ordered_fragments()
         if len(fragments) <= 1:
-            out.append(_sample(group, rollout, fragments[0] if fragments else None))
+            out.append(_sample(group, rollout, fragments[0] if fragments else None, tokens_too))
         else:
-            out.append([_sample(group, rollout, f) for f in fragments])
+            out.append([_sample(group, rollout, f, tokens_too) for f in fragments])
     return out
 
 
@@ -267,4 +274,6 @@ def apply_filter_chain(
         return FilterVerdict(False, GROUP_HAS_MISSING_REWARD)
     if user_filter is None:
         return FilterVerdict(True)
-    return _user_verdict(user_filter(args, miles_group(group), **kwargs), user_filter)
+    # The built-in DAPO filter reads rewards only: its samples go without token lists.
+    samples = miles_group(group, tokens_too=user_filter is not reward_nonzero_std)
+    return _user_verdict(user_filter(args, samples, **kwargs), user_filter)

@@ -6,8 +6,11 @@ them from the `events` archive, and unit tests build them by hand.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 RolloutStatus = Literal["completed", "truncated", "aborted"]
 Decision = Literal["kept", "dropped", "surplus"]
@@ -15,14 +18,18 @@ Decision = Literal["kept", "dropped", "surplus"]
 
 @dataclass(slots=True)
 class Fragment:
-    """One training sample: a whole rollout, or one piece of a compacted rollout."""
+    """One training sample: a whole rollout, or one piece of a compacted rollout.
+
+    Token arrays are the events' read-only numpy arrays (lists in hand-built tests): they
+    reach Arrow without a Python object per token.
+    """
 
     rollout_id: int
     fragment_index: int
-    prompt_tokens: list[int]
-    response_tokens: list[int]
-    loss_mask: list[int] | None = None  # None means all ones
-    rollout_log_probs: list[float] | None = None
+    prompt_tokens: Sequence[int]
+    response_tokens: Sequence[int]
+    loss_mask: Sequence[int] | None = None  # None means all ones
+    rollout_log_probs: Sequence[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str | None = None  # from sample_finished; Miles `Sample.response`
     event_id: str | None = None  # the event that carried it
@@ -34,7 +41,9 @@ class Fragment:
     @property
     def effective_response_length(self) -> int:
         """Loss-masked tokens (Miles `effective_response_length`)."""
-        return self.response_length if self.loss_mask is None else sum(self.loss_mask)
+        if self.loss_mask is None:
+            return self.response_length
+        return int(np.count_nonzero(self.loss_mask))  # a 0/1 mask: its sum
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ from ingest.sdk.publisher import RolloutPublisher
 from schemas.tables import content_sha256
 from tests.integration.pipeline import ordered_kafka, run_processor
 
-TOKENS = 1_150_000  # "100000," is 7 bytes per token: about 7.7 MiB of JSON
+# The SDK sends int32 tokens in base64, 16/3 bytes each: about 7.9 MiB of JSON
+TOKENS = 1_550_000
 
 
 def test_eight_mib_sample_reaches_a_sealed_batch(broker, tmp_path):

@@ -58,7 +58,8 @@ def test_invalid_event_is_refused_before_sending(kafka):
 
 
 def test_eight_mib_event_passes_and_larger_is_refused(kafka):
-    tokens = 1_190_000  # "100000," is 7 bytes: about 7.95 MiB of JSON
+    # the SDK sends int32 tokens in base64, 16/3 bytes each: about 7.93 MiB of JSON
+    tokens = 1_560_000
     with RolloutPublisher(kafka) as pub:
         event = pub.sample_finished("run-c", group_index=0, rollout_id=0, status="truncated",
                                     prompt_tokens=[1], response_tokens=[100000] * tokens, reward=1.0)
