@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -231,6 +232,21 @@ class Lake:
 
     def version(self, table: str) -> int:
         return self.refresh(table).version()
+
+    def commit_times(self, table: str) -> dict[int, datetime]:
+        """When each version of the table still in its log was committed (Delta's commit
+        timestamps, UTC); {} when the table does not exist."""
+        if not self.exists(table):
+            return {}
+        return {entry["version"]: datetime.fromtimestamp(entry["timestamp"] / 1000, UTC)
+                for entry in self.refresh(table).history()}
+
+    def version_at(self, table: str, at: datetime) -> int | None:
+        """The table's version as of `at`: the last committed at or before it; None when
+        the table did not exist yet. (delta-rs's `load_as_version` moves a moment before
+        the first commit to version 0 instead.)"""
+        earlier = [v for v, t in self.commit_times(table).items() if t <= at]
+        return max(earlier) if earlier else None
 
     def first_version_with(self, table: str, prune: str) -> int | None:
         """The first version of an append-only table holding rows that match `prune` (a SQL
