@@ -230,6 +230,14 @@ class Lake:
             return dt.version()
         raise CommitFailedError(f"{table}: gave up after {MAX_COMMIT_RETRIES} concurrent commits")
 
+    def compact(self, table: str) -> dict[str, int]:
+        """Rewrite the table's small files into larger ones (Delta optimize), with the
+        table's own writer properties; the rows and their current version stay as they
+        were, the old files are tombstoned (removed by a later vacuum)."""
+        metrics = self.refresh(table).optimize.compact(
+            writer_properties=_writer_properties(self.spec(table)))
+        return {"added": metrics["numFilesAdded"], "removed": metrics["numFilesRemoved"]}
+
     def version(self, table: str) -> int:
         return self.refresh(table).version()
 
