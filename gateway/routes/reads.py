@@ -23,6 +23,7 @@ from ingest.io.lineage import (
     LineageNotFound,
     group_lineage,
     parse_as_of,
+    row_lineage,
     trainer_step_lineage,
 )
 from schemas.errors import ConfigError
@@ -70,6 +71,13 @@ class GroupAudit(BaseModel):
     """The `steps` rows that sealed them (batch_version, content_sha256)."""
     trainer_steps: list[dict[str, Any]]
     """The `trainer_steps` rows that trained on them (loss, `update` = weights version)."""
+
+
+class RowAudit(BaseModel):
+    row: dict[str, Any]
+    """The `training_batches` row, without token arrays."""
+    group: GroupAudit
+    """The lineage of the row's group."""
 
 
 class ConsumedGroup(BaseModel):
@@ -167,6 +175,19 @@ async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRu
     and reason, samples, the training rows it fed, the steps that sealed them and the
     trainer steps that trained on them."""
     return await run_in_threadpool(_audit, lake, run_id, group_index, as_of)
+
+
+def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -> RowAudit:
+    found = _lineage(row_lineage, lake, as_of, run_id, step, position)
+    return RowAudit(**dataclasses.asdict(found))
+
+
+@router.get("/v1/runs/{run_id}/steps/{step}/rows/{position}", responses=errors(
+    *AUTH, 422, described={404: "No training_batches row at that step and position."}))
+async def get_row_audit(run_id: RunIdPath, step: NonNegative, position: NonNegative,
+                        _: ReadRun, lake: LakeDep, as_of: AsOfQuery = None) -> RowAudit:
+    """Lineage of one training_batches row: the row and the lineage of its group."""
+    return await run_in_threadpool(_row, lake, run_id, step, position, as_of)
 
 
 def _trainer_step(lake: Lake, run_id: str, step: int, as_of: str | None) -> TrainerStepAudit:

@@ -176,6 +176,12 @@ def test_group_audit(gw, lake_root):
         bad = client.get("/v1/runs/run-a/groups/5", params={"as_of": "later"})
         assert bad.status_code == 422 and "as of 'later'" in bad.json()["detail"]
 
+        row = client.get("/v1/runs/run-a/steps/0/rows/0").json()
+        assert (row["row"]["group_index"], row["row"]["rollout_id"]) == (5, 0)
+        assert row["group"]["trainer_steps"] == audit["trainer_steps"]
+        assert "response_tokens" not in row["row"]
+        assert client.get("/v1/runs/run-a/steps/0/rows/1").status_code == 404
+
         trained = client.get("/v1/runs/run-a/trainer-steps/0").json()
         assert trained["trainer_step"]["update"] == 1
         assert [g["group_index"] for g in trained["groups"]] == [5]
