@@ -19,8 +19,11 @@ retention.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -84,8 +87,8 @@ def pinned_versions(lake: Lake, runs: dict[str, RetainedRun]) -> PinnedVersions:
         return pinned
     of_runs = pc.field("run_id").isin(sorted(runs))
     batch_times = lake.commit_times(TRAINING_BATCHES.name)
-    commit_versions = {table: sorted(lake.commit_times(table).items())
-                       for table in AUDITED_TABLES if table != TRAINING_BATCHES.name}
+    as_of = {table: _versions_as_of(lake, table)
+             for table in AUDITED_TABLES if table != TRAINING_BATCHES.name}
     for table in ("steps", "trainer_steps"):
         rows = lake.read(table, filter=of_runs, columns=["run_id", "batch_version"])
         for run_id, version in zip(rows["run_id"].to_pylist(),
@@ -93,11 +96,24 @@ def pinned_versions(lake: Lake, runs: dict[str, RetainedRun]) -> PinnedVersions:
             if version not in batch_times:
                 continue  # its log entry is gone: Delta can no longer read that version
             pinned.add(TRAINING_BATCHES.name, version, run_id)
-            for other, versions in commit_versions.items():
-                earlier = [v for v, at in versions if at <= batch_times[version]]
-                if earlier:
-                    pinned.add(other, earlier[-1], run_id)
+            for other, version_at in as_of.items():
+                found = version_at(batch_times[version])
+                if found is not None:
+                    pinned.add(other, found, run_id)
     return pinned
+
+
+def _versions_as_of(lake: Lake, table: str) -> Callable[[datetime], int | None]:
+    """`Lake.version_at` for many moments: one read of the table's history, then a
+    bisection per moment."""
+    commits = sorted((at, v) for v, at in lake.commit_times(table).items())
+    times = [at for at, _ in commits]
+    latest = list(itertools.accumulate((v for _, v in commits), max))
+
+    def version_at(at: datetime) -> int | None:
+        i = bisect.bisect_right(times, at)
+        return latest[i - 1] if i else None
+    return version_at
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,12 @@ def two_runs(broker, tmp_path_factory) -> Path:
         run_simulation(kafka, SimulationConfig(run_id=run_id, steps=3, rollout_batch_size=2,
                                                n_samples=2, response_len_mean=16, prompt_len=4,
                                                mode="open", seed=seed))
-        run_processor(kafka, str(root), idle_s=1.5)
+        # Small polls: each run's steps sealed over several commits, files to compact.
+        run_processor(kafka, str(root), idle_s=1.5, max_poll_records=4)
+    lake = Lake(root)
+    for run_id in (KEPT, OLD):
+        versions = {s["batch_version"] for s in sealed(lake, run_id)}
+        assert len(versions) > 1, f"{run_id} sealed in one commit: nothing to compact"
     return root
 
 
