@@ -8,7 +8,9 @@ a lower version silently.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -249,12 +251,19 @@ class Lake:
         return {entry["version"]: datetime.fromtimestamp(entry["timestamp"] / 1000, UTC)
                 for entry in self.refresh(table).history()}
 
-    def version_at(self, table: str, at: datetime) -> int | None:
-        """The table's version as of `at`: the last committed at or before it; None when
-        the table did not exist yet. (delta-rs's `load_as_version` moves a moment before
-        the first commit to version 0 instead.)"""
-        earlier = [v for v, t in self.commit_times(table).items() if t <= at]
-        return max(earlier) if earlier else None
+    def versions_as_of(self, table: str) -> Callable[[datetime], int | None]:
+        """The table's version as of a moment: the last committed at or before it; None
+        when the table did not exist yet. (delta-rs's `load_as_version` moves a moment
+        before the first commit to version 0 instead.) One read of the history, then a
+        bisection per moment."""
+        commits = sorted((at, v) for v, at in self.commit_times(table).items())
+        times = [at for at, _ in commits]
+        latest = list(itertools.accumulate((v for _, v in commits), max))
+
+        def version_at(at: datetime) -> int | None:
+            i = bisect.bisect_right(times, at)
+            return latest[i - 1] if i else None
+        return version_at
 
     def first_version_with(self, table: str, prune: str) -> int | None:
         """The first version of an append-only table holding rows that match `prune` (a SQL

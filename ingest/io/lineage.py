@@ -63,7 +63,7 @@ class Snapshot:
         if table == TRAINING_BATCHES.name and self.batch_version is not None:
             return self.batch_version
         if table not in self._versions:
-            self._versions[table] = self.lake.version_at(table, self.at)
+            self._versions[table] = self.lake.versions_as_of(table)(self.at)
         return self._versions[table]
 
     def read(self, table: str, *, filter: pc.Expression | None = None,

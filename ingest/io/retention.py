@@ -19,11 +19,8 @@ retention.
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -87,7 +84,7 @@ def pinned_versions(lake: Lake, runs: dict[str, RetainedRun]) -> PinnedVersions:
         return pinned
     of_runs = pc.field("run_id").isin(sorted(runs))
     batch_times = lake.commit_times(TRAINING_BATCHES.name)
-    as_of = {table: _versions_as_of(lake, table)
+    as_of = {table: lake.versions_as_of(table)
              for table in AUDITED_TABLES if table != TRAINING_BATCHES.name}
     for table in ("steps", "trainer_steps"):
         rows = lake.read(table, filter=of_runs, columns=["run_id", "batch_version"])
@@ -101,19 +98,6 @@ def pinned_versions(lake: Lake, runs: dict[str, RetainedRun]) -> PinnedVersions:
                 if found is not None:
                     pinned.add(other, found, run_id)
     return pinned
-
-
-def _versions_as_of(lake: Lake, table: str) -> Callable[[datetime], int | None]:
-    """`Lake.version_at` for many moments: one read of the table's history, then a
-    bisection per moment."""
-    commits = sorted((at, v) for v, at in lake.commit_times(table).items())
-    times = [at for at, _ in commits]
-    latest = list(itertools.accumulate((v for _, v in commits), max))
-
-    def version_at(at: datetime) -> int | None:
-        i = bisect.bisect_right(times, at)
-        return latest[i - 1] if i else None
-    return version_at
 
 
 @dataclass(frozen=True)
