@@ -1,4 +1,5 @@
-"""Reads of what the processor wrote: step manifests, step metrics, the audit of a group.
+"""Reads of what the processor wrote: step manifests, step metrics, lineage (audit) of a
+group and of a trainer step (`ingest.io.lineage`).
 
 Tables that do not exist yet read as empty (`Lake.read`), so a fresh run answers with an
 empty list or a 404 that says what is missing, never a 500.
@@ -6,6 +7,7 @@ empty list or a 404 that says what is missing, never a 500.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 import pyarrow.compute as pc
@@ -16,8 +18,13 @@ from starlette.concurrency import run_in_threadpool
 from gateway.deps import INT64_MAX, LakeDep, ReadRun, RunIdPath
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
-from ingest.commands.audit import group_audit
 from ingest.io.lake import Lake
+from ingest.io.lineage import (
+    group_lineage,
+    parse_as_of,
+    row_lineage,
+    trainer_step_lineage,
+)
 
 router = APIRouter(tags=["reads"])
 
@@ -49,12 +56,50 @@ class GroupAudit(BaseModel):
     run_id: str
     group_index: int
     events: list[dict[str, Any]]
-    """Archived events in (partition, offset) order, payloads decoded."""
+    """Archived events in (topic, partition, offset) order with `ingested_at`, payloads
+    decoded."""
+    dead_letters: list[dict[str, Any]]
+    """Rejected messages of the group (position, error, at, raw_preview)."""
     decision: dict[str, Any] | None
     """The `groups` row (decision, reason, step, batch_step, ...); null while undecided."""
     samples: list[dict[str, Any]]
     training_rows: list[dict[str, Any]]
     """The `training_batches` rows it fed, without token arrays."""
+    steps: list[dict[str, Any]]
+    """The `steps` rows that sealed them (batch_version, content_sha256)."""
+    trainer_steps: list[dict[str, Any]]
+    """The `trainer_steps` rows that trained on them (loss, `update` = weights version)."""
+
+
+class RowAudit(BaseModel):
+    row: dict[str, Any]
+    """The `training_batches` row, without token arrays."""
+    group: GroupAudit
+    """The lineage of the row's group."""
+
+
+class ConsumedGroup(BaseModel):
+    group_index: int
+    positions: list[int]
+    decision: dict[str, Any] | None
+    events: list[dict[str, Any]]
+    """Archived events with their Kafka positions, payloads left out."""
+
+
+class TrainerStepAudit(BaseModel):
+    run_id: str
+    step: int
+    trainer_step: dict[str, Any]
+    """The `trainer_steps` row (loss, batch_version, `update` = weights version produced)."""
+    sealed: dict[str, Any] | None
+    content_verified: bool
+    """The rows at the trained batch_version hash to the trainer's content_sha256."""
+    groups: list[ConsumedGroup]
+
+
+AsOfQuery = Annotated[str | None, Query(
+    max_length=64, description="Read the lake as it was: a training_batches version (as of "
+                               "its commit) or an ISO 8601 timestamp.")]
 
 
 def _run(run_id: str, *more: pc.Expression) -> pc.Expression:
@@ -106,17 +151,48 @@ async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
     return await run_in_threadpool(_metrics, lake, run_id, since_step)
 
 
-def _audit(lake: Lake, run_id: str, group_index: int) -> GroupAudit:
-    audit = group_audit(lake, run_id, group_index)  # GroupNotFound: a 404 (gateway.app)
-    return GroupAudit(run_id=run_id, group_index=group_index, events=audit.events,
-                      decision=audit.decision, samples=audit.samples,
-                      training_rows=audit.training_rows)
+def _lineage(find, lake: Lake, as_of: str | None, *key: Any):
+    # LineageNotFound is a 404, a bad as-of a 422 (gateway.app maps domain errors)
+    return find(parse_as_of(lake, as_of), *key)
+
+
+def _audit(lake: Lake, run_id: str, group_index: int, as_of: str | None) -> GroupAudit:
+    found = _lineage(group_lineage, lake, as_of, run_id, group_index)
+    return GroupAudit(**dataclasses.asdict(found))
 
 
 @router.get("/v1/runs/{run_id}/groups/{group_index}", responses=errors(
     *AUTH, 422, described={404: "Nothing is known about the group yet."}))
 async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRun,
-                          lake: LakeDep) -> GroupAudit:
-    """Audit one group: its events in order, its decision and reason, its samples and the
-    training rows it fed."""
-    return await run_in_threadpool(_audit, lake, run_id, group_index)
+                          lake: LakeDep, as_of: AsOfQuery = None) -> GroupAudit:
+    """Lineage of one group: its events with their Kafka positions, dead letters, decision
+    and reason, samples, the training rows it fed, the steps that sealed them and the
+    trainer steps that trained on them."""
+    return await run_in_threadpool(_audit, lake, run_id, group_index, as_of)
+
+
+def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -> RowAudit:
+    found = _lineage(row_lineage, lake, as_of, run_id, step, position)
+    return RowAudit(**dataclasses.asdict(found))
+
+
+@router.get("/v1/runs/{run_id}/steps/{step}/rows/{position}", responses=errors(
+    *AUTH, 422, described={404: "No training_batches row at that step and position."}))
+async def get_row_audit(run_id: RunIdPath, step: NonNegative, position: NonNegative,
+                        _: ReadRun, lake: LakeDep, as_of: AsOfQuery = None) -> RowAudit:
+    """Lineage of one training_batches row: the row and the lineage of its group."""
+    return await run_in_threadpool(_row, lake, run_id, step, position, as_of)
+
+
+def _trainer_step(lake: Lake, run_id: str, step: int, as_of: str | None) -> TrainerStepAudit:
+    found = _lineage(trainer_step_lineage, lake, as_of, run_id, step)
+    return TrainerStepAudit(**dataclasses.asdict(found))
+
+
+@router.get("/v1/runs/{run_id}/trainer-steps/{step}", responses=errors(
+    *AUTH, 422, described={404: "The step has no trainer_steps row."}))
+async def get_trainer_step_audit(run_id: RunIdPath, step: NonNegative, _: ReadRun,
+                                 lake: LakeDep, as_of: AsOfQuery = None) -> TrainerStepAudit:
+    """Lineage of a trained step: the groups and events it consumed, at the batch version
+    it trained on."""
+    return await run_in_threadpool(_trainer_step, lake, run_id, step, as_of)

@@ -1,64 +1,80 @@
-"""Audit one group: its archived events in order, its decision, its samples, its batch rows.
+"""`rolloutlake audit`: the lineage of a group, a batch row or a trainer step, printed.
 
-`group_audit` is the one implementation; `rolloutlake audit` prints it and the gateway
-serves it at `GET /v1/runs/{run_id}/groups/{group_index}`.
+The queries are `ingest.io.lineage` (the gateway serves the same at
+`GET /v1/runs/{run_id}/groups/{group_index}`); this module only picks one and prints it,
+as tables or as JSON (`--json`).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import dataclasses
+import sys
 from typing import Any
 
 import orjson
-import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
 from ingest.io.lake import Lake
-from schemas.errors import NotFoundError
+from ingest.io.lineage import (
+    GroupLineage,
+    TrainerStepLineage,
+    group_lineage,
+    parse_as_of,
+    row_lineage,
+    trainer_step_lineage,
+)
+from schemas.errors import ConfigError
 from schemas.events import run_id_argument
-from schemas.tables import TRAINING_BATCHES
-from schemas.token_arrays import TOKEN_FIELDS, TOKEN_IDS, decode_token_array
-
-
-class GroupNotFound(NotFoundError):
-    """Nothing is archived or decided for the group."""
-
-
-@dataclass
-class GroupAuditData:
-    events: list[dict[str, Any]]  # archived events in (partition, offset) order, payload decoded
-    decision: dict[str, Any] | None  # the `groups` row; None while undecided
-    samples: list[dict[str, Any]]
-    training_rows: list[dict[str, Any]]  # without token arrays
-
-
-def group_audit(lake: Lake, run_id: str, group_index: int) -> GroupAuditData:
-    in_group = (pc.field("run_id") == run_id) & (pc.field("group_index") == group_index)
-    events = lake.read("events", filter=in_group).sort_by([("partition", "ascending"),
-                                                           ("offset", "ascending")])
-    decision = lake.read("groups", filter=in_group).to_pylist()
-    samples = lake.read("samples", filter=in_group).sort_by(
-        [("rollout_id", "ascending"), ("fragment_index", "ascending")])
-    columns = [c for c in TRAINING_BATCHES.schema.names if c not in TOKEN_FIELDS]
-    training = lake.read("training_batches", filter=in_group, columns=columns).sort_by(
-        [("step", "ascending"), ("position", "ascending")])
-    if not events.num_rows and not decision and not samples.num_rows:
-        raise GroupNotFound(f"group {group_index} of run {run_id!r} has no archived events "
-                            "and no decision (yet)")
-    return GroupAuditData(
-        events=[{**e, "payload": orjson.loads(e["payload"])} for e in events.to_pylist()],
-        decision=decision[0] if decision else None,
-        samples=samples.to_pylist(),
-        training_rows=training.to_pylist(),
-    )
+from schemas.token_arrays import TOKEN_IDS, decode_token_array
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lake", required=True)
     parser.add_argument("--run", required=True, type=run_id_argument)
-    parser.add_argument("--group", type=int, required=True, help="group_index")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--group", type=int, help="group_index: the group's lineage")
+    which.add_argument("--step", type=int,
+                       help="with --position: the lineage of one training_batches row")
+    which.add_argument("--trainer-step", type=int,
+                       help="a trained step: the groups and events it consumed")
+    parser.add_argument("--position", type=int, help="row position within --step")
+    parser.add_argument("--as-of", metavar="VERSION|TIMESTAMP",
+                        help="read the lake as it was: a training_batches version (as of its "
+                             "commit) or an ISO 8601 timestamp")
+    parser.add_argument("--json", action="store_true", help="print the lineage as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.step is None) != (args.position is None):
+        raise ConfigError("--step and --position go together (one training_batches row)")
+    snap = parse_as_of(Lake(args.lake), args.as_of)
+    if args.trainer_step is not None:
+        found: Any = trainer_step_lineage(snap, args.run, args.trainer_step)
+    elif args.step is not None:
+        found = row_lineage(snap, args.run, args.step, args.position)
+    else:
+        found = group_lineage(snap, args.run, args.group)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(dataclasses.asdict(found), option=orjson.OPT_INDENT_2
+                                             | orjson.OPT_NON_STR_KEYS) + b"\n")
+        return 0
+    console = Console()
+    if snap.where:
+        console.print(f"lake {args.lake}{snap.where}")
+    if isinstance(found, TrainerStepLineage):
+        _print_trainer_step(console, found)
+    elif isinstance(found, GroupLineage):
+        _print_group(console, found)
+    else:
+        row = found.row
+        console.print(f"training row: step {row['step']} position {row['position']}, group "
+                      f"{row['group_index']} rollout {row['rollout_id']} fragment "
+                      f"{row['fragment_index']}, reward {row['reward']}, advantage "
+                      f"{row['advantage']:.4f}")
+        _print_group(console, found.group)
+    return 0
 
 
 def _summary(payload: dict[str, Any]) -> str:
@@ -76,22 +92,53 @@ def _summary(payload: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def run(args: argparse.Namespace) -> int:
-    audit = group_audit(Lake(args.lake), args.run, args.group)
-    console = Console()
-    events = Table(title=f"run {args.run}, group {args.group}: events in order")
-    for column in ("partition", "offset", "type", "event_id", "what"):
-        events.add_column(column)
-    for e in audit.events:
-        events.add_row(str(e["partition"]), str(e["offset"]), e["type"], e["event_id"],
-                       _summary(e["payload"]))
+def _trained(t: dict[str, Any]) -> str:
+    return (f"trained step {t['step']} at batch version {t['batch_version']}: loss "
+            f"{t['loss']:.6g}, produced weights version {t['update']}, at {t['trained_at']}")
+
+
+def _print_group(console: Console, g: GroupLineage) -> None:
+    events = Table(title=f"run {g.run_id}, group {g.group_index}: events in order")
+    for column in ("topic:partition@offset", "ingested_at", "type", "event_id", "what"):
+        events.add_column(column, overflow="fold")
+    for e in g.events:
+        events.add_row(f"{e['topic']}:{e['partition']}@{e['offset']}",
+                       e["ingested_at"].isoformat(timespec="milliseconds"), e["type"],
+                       e["event_id"], _summary(e["payload"]))
     console.print(events)
-    d = audit.decision
+    for d in g.dead_letters:
+        console.print(f"dead letter {d['topic']}:{d['partition']}@{d['offset']} at "
+                      f"{d['at'].isoformat()}: {d['error']}")
+    d = g.decision
     console.print("decision: " + ("undecided" if d is None else
                   f"{d['decision']} (reason {d['reason']}), step {d['step']}, "
                   f"batch step {d['batch_step']}, mean reward {d['mean_reward']}"))
-    for row in audit.training_rows:
+    for row in g.training_rows:
         console.print(f"  fed step {row['step']} position {row['position']}: rollout "
                       f"{row['rollout_id']} fragment {row['fragment_index']}, reward "
                       f"{row['reward']}, advantage {row['advantage']:.4f}")
-    return 0
+    for s in g.steps:
+        console.print(f"sealed step {s['step']} at batch version {s['batch_version']}, "
+                      f"content {s['content_sha256'][:12]}")
+    for t in g.trainer_steps:
+        console.print(_trained(t))
+    if g.steps and not g.trainer_steps:
+        console.print("not trained on (no trainer_steps row for its steps)")
+
+
+def _print_trainer_step(console: Console, t: TrainerStepLineage) -> None:
+    console.print(_trained(t.trainer_step))
+    console.print("content: " + ("the rows at that batch version hash to what the trainer "
+                                 "verified" if t.content_verified else
+                                 "the rows at that batch version do NOT hash to what the "
+                                 "trainer verified"))
+    table = Table(title=f"run {t.run_id}, trainer step {t.step}: groups consumed")
+    for column in ("group", "rows", "decision", "events", "first event", "last event"):
+        table.add_column(column)
+    for g in t.groups:
+        d = g.decision
+        where = [f"{e['topic']}:{e['partition']}@{e['offset']}" for e in g.events]
+        table.add_row(str(g.group_index), f"{g.positions[0]}..{g.positions[-1]}",
+                      "undecided" if d is None else f"{d['decision']} ({d['reason']})",
+                      str(len(g.events)), where[0] if where else "", where[-1] if where else "")
+    console.print(table)

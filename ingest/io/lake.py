@@ -8,11 +8,14 @@ a lower version silently.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -229,8 +232,38 @@ class Lake:
             return dt.version()
         raise CommitFailedError(f"{table}: gave up after {MAX_COMMIT_RETRIES} concurrent commits")
 
+    def compact(self, table: str) -> dict[str, int]:
+        """Rewrite the table's small files into larger ones (Delta optimize), with the
+        table's own writer properties; the rows and their current version stay as they
+        were, the old files are tombstoned (removed by a later vacuum)."""
+        metrics = self.refresh(table).optimize.compact(
+            writer_properties=_writer_properties(self.spec(table)))
+        return {"added": metrics["numFilesAdded"], "removed": metrics["numFilesRemoved"]}
+
     def version(self, table: str) -> int:
         return self.refresh(table).version()
+
+    def commit_times(self, table: str) -> dict[int, datetime]:
+        """When each version of the table still in its log was committed (Delta's commit
+        timestamps, UTC); {} when the table does not exist."""
+        if not self.exists(table):
+            return {}
+        return {entry["version"]: datetime.fromtimestamp(entry["timestamp"] / 1000, UTC)
+                for entry in self.refresh(table).history()}
+
+    def versions_as_of(self, table: str) -> Callable[[datetime], int | None]:
+        """The table's version as of a moment: the last committed at or before it; None
+        when the table did not exist yet. (delta-rs's `load_as_version` moves a moment
+        before the first commit to version 0 instead.) One read of the history, then a
+        bisection per moment."""
+        commits = sorted((at, v) for v, at in self.commit_times(table).items())
+        times = [at for at, _ in commits]
+        latest = list(itertools.accumulate((v for _, v in commits), max))
+
+        def version_at(at: datetime) -> int | None:
+            i = bisect.bisect_right(times, at)
+            return latest[i - 1] if i else None
+        return version_at
 
     def first_version_with(self, table: str, prune: str) -> int | None:
         """The first version of an append-only table holding rows that match `prune` (a SQL

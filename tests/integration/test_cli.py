@@ -156,6 +156,8 @@ LAKE_COMMANDS = [
     ["trainer", "--lake", "{lake}", "--run", "r1", "--deepspeed", "ds.json"],
     ["replay", "--lake", "{lake}", "--run", "r1"],
     ["audit", "--lake", "{lake}", "--run", "r1", "--group", "0"],
+    ["lake", "vacuum", "--lake", "{lake}"],
+    ["whatif", "--lake", "{lake}", "--what-if", "{lake}", "--run", "r1"],
 ]
 
 

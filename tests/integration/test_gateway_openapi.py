@@ -37,6 +37,8 @@ EXPECTED_ERRORS = {
     ("get", "/v1/runs/{run_id}/steps/{step}"): {"401", "403", "404", "422"},
     ("get", "/v1/runs/{run_id}/metrics"): {"401", "403", "422"},
     ("get", "/v1/runs/{run_id}/groups/{group_index}"): {"401", "403", "404", "422"},
+    ("get", "/v1/runs/{run_id}/trainer-steps/{step}"): {"401", "403", "404", "422"},
+    ("get", "/v1/runs/{run_id}/steps/{step}/rows/{position}"): {"401", "403", "404", "422"},
     ("get", "/v1/runs/{run_id}/metrics/stream"): {"401", "403", "422"},
     ("get", "/v1/runs/{run_id}/decisions/stream"): {"401", "403", "422"},
     ("get", "/v1/dashboard/runs"): {"401"},

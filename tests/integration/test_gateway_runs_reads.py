@@ -112,6 +112,10 @@ def test_step_manifest_metrics_and_default_prompt_step(gw, lake_root):
         assert served[0]["step"] == 1
 
 
+TRAINER_FLOATS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "ppo_kl",
+                  "entropy", "grad_norm", "lr", "seconds")
+
+
 def test_group_audit(gw, lake_root):
     lake = Lake(lake_root)
     payloads = [{"type": "group_started", "event_id": "e0", "group_index": 5},
@@ -142,7 +146,49 @@ def test_group_audit(gw, lake_root):
         assert audit["samples"][0]["reward"] == 1.0
         assert audit["training_rows"][0]["position"] == 0
         assert "response_tokens" not in audit["training_rows"][0]
+        assert audit["events"][0]["topic"] == "rollout.events"
+        assert audit["steps"] == [] and audit["trainer_steps"] == []
         assert client.get("/v1/runs/run-a/groups/6").status_code == 404
+        assert client.get("/v1/runs/run-z/groups/5").status_code == 404
+
+        # Sealed, trained, and a rejected message of the group: lineage reaches the update.
+        batch_version = lake.version("training_batches")
+        _write(lake, "steps", [{"run_id": "run-a", "step": 0, "n_groups": 1, "n_samples": 1,
+                                "sealed_at": NOW, "batch_version": batch_version,
+                                "content_sha256": "ab" * 32}])
+        _write(lake, "trainer_steps", [{**{c: 0.0 for c in TRAINER_FLOATS}, "run_id": "run-a",
+                                        "step": 0, "batch_version": batch_version,
+                                        "content_sha256": "ab" * 32, "tokens": 2,
+                                        "loss_tokens": 1, "update": 1, "trained_at": NOW,
+                                        "loss": 0.25}])
+        _write(lake, "dead_letters", [{"topic": "rollout.events", "partition": 1, "offset": 11,
+                                       "error": "rollout 9 exceeds the group's n_samples=1",
+                                       "raw": b'{"event_id": "e2"}', "at": NOW,
+                                       "run_id": "run-a", "group_index": 5}])
+        audit = client.get("/v1/runs/run-a/groups/5").json()
+        assert audit["steps"][0]["batch_version"] == batch_version
+        assert [(t["loss"], t["update"]) for t in audit["trainer_steps"]] == [(0.25, 1)]
+        assert audit["dead_letters"][0]["offset"] == 11
+        assert audit["dead_letters"][0]["raw_preview"] == '{"event_id": "e2"}'
+        # As of the first batch version nothing was sealed or trained yet.
+        then = client.get("/v1/runs/run-a/groups/5", params={"as_of": batch_version}).json()
+        assert then["steps"] == [] and then["trainer_steps"] == []
+        bad = client.get("/v1/runs/run-a/groups/5", params={"as_of": "later"})
+        assert bad.status_code == 422 and "as of 'later'" in bad.json()["detail"]
+
+        row = client.get("/v1/runs/run-a/steps/0/rows/0").json()
+        assert (row["row"]["group_index"], row["row"]["rollout_id"]) == (5, 0)
+        assert row["group"]["trainer_steps"] == audit["trainer_steps"]
+        assert "response_tokens" not in row["row"]
+        assert client.get("/v1/runs/run-a/steps/0/rows/1").status_code == 404
+
+        trained = client.get("/v1/runs/run-a/trainer-steps/0").json()
+        assert trained["trainer_step"]["update"] == 1
+        assert [g["group_index"] for g in trained["groups"]] == [5]
+        assert trained["groups"][0]["positions"] == [0]
+        assert not trained["content_verified"]  # the recorded hash is not the rows' hash
+        missing = client.get("/v1/runs/run-a/trainer-steps/3")
+        assert missing.status_code == 404 and "trained steps 0..0" in missing.json()["detail"]
     with gw.client(token=None) as anonymous:
         assert anonymous.get("/v1/runs/run-a/groups/5").status_code == 401
     with gw.client("run-a-reader") as reader:
