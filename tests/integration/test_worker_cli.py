@@ -89,6 +89,10 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
     (("--rollout-batch-size", "4", "--over-sampling-batch-size", "2"),
      "rolloutlake worker: --over-sampling-batch-size: must be >= --rollout-batch-size (4), "
      "got 2"),
+    (("--engine", "sglang", "--seed", "3"),
+     "rolloutlake worker: --seed: the SGLang adapter sends no per-request seed; unset --seed"),
+    (("--max-staleness", "-1"),
+     "rolloutlake worker: --max-staleness: Input should be greater than or equal to 0"),
     (("--n-samples-per-prompt", "0"),
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
 ])
