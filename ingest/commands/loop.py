@@ -77,6 +77,16 @@ class LoopConfig(BaseModel):
     out: Path | None = None
     """Folder for the lake, the policy, checkpoints, logs and the plot (default: a fresh
     folder under ./lake/)."""
+    over_sampling: int | None = Field(default=None, ge=1)
+    """Groups issued per step (`over_sampling_batch_size`); unset issues `groups`. With a
+    filter, a step whose issued groups keep fewer than `groups` never seals."""
+    dynamic_sampling_filter_path: str | None = None
+    """The run's group filter, e.g. `ingest.core.filters.reward_nonzero_std` (DAPO)."""
+    pg_loss_reducer: str | None = None
+    """The trainer's `--custom-pg-loss-reducer-function-path` (e.g.
+    `trainer.reducers.get_dr_grpo_reducer`)."""
+    std_normalization: bool = True
+    """Divide advantages by the group's reward std (off for Dr.GRPO)."""
     engine_url: str | None = None
     """A running vLLM engine to use (the loop loads its policy into it); unset starts one."""
     bootstrap_servers: str | None = None
@@ -97,6 +107,8 @@ class StepRow:
     episode_reward: float  # rollout/episode_raw_reward
     kept: int
     dropped: int
+    prompts_issued: int  # groups issued for the step (rollout/prompts_issued)
+    rollout_seconds: float  # first event to seal (perf/rollout_time)
     weight_versions: tuple[int, int]  # lowest and highest weight_version of its rows
     update: int  # the trainer's update count after it: the version it publishes
     seconds: float  # since the worker started
@@ -125,6 +137,8 @@ def step_row(lake: Lake, step: int, update: int, seconds: float) -> StepRow | No
         episode_reward=metrics["rollout/episode_raw_reward"],
         kept=int(metrics["rollout/groups_kept"]),
         dropped=int(metrics["rollout/groups_dropped"]),
+        prompts_issued=int(metrics["rollout/prompts_issued"]),
+        rollout_seconds=metrics.get("perf/rollout_time", 0.0),
         weight_versions=(min(versions), max(versions)), update=update, seconds=seconds)
 
 
@@ -182,7 +196,9 @@ def trainer_command(config: LoopConfig, kafka: KafkaSettings, out: Path, policy:
             "--lr", str(config.lr), "--seed", str(config.seed), "--save-weights-every", "1",
             "--output-dir", str(out / "trainer"), "--poll-interval-s", "0.2",
             "--bootstrap-servers", kafka.bootstrap_servers,
-            "--topic-prefix", kafka.topic_prefix, "--wandb-mode", "disabled"]
+            "--topic-prefix", kafka.topic_prefix, "--wandb-mode", "disabled",
+            *(["--custom-pg-loss-reducer-function-path", config.pg_loss_reducer]
+              if config.pg_loss_reducer else [])]
 
 
 def worker_command(config: LoopConfig, kafka: KafkaSettings, engine_url: str, policy: Path,
@@ -195,7 +211,12 @@ def worker_command(config: LoopConfig, kafka: KafkaSettings, engine_url: str, po
             "--rollout-batch-size", str(config.groups), "--num-steps", str(config.steps),
             "--max-new-tokens", str(config.max_new_tokens),
             "--temperature", str(config.temperature), "--max-staleness", "0",
-            "--seed", str(config.seed)]
+            "--seed", str(config.seed),
+            "--std-normalization" if config.std_normalization else "--no-std-normalization",
+            *(["--over-sampling-batch-size", str(config.over_sampling)]
+              if config.over_sampling else []),
+            *(["--dynamic-sampling-filter-path", config.dynamic_sampling_filter_path]
+              if config.dynamic_sampling_filter_path else [])]
 
 
 async def _load_policy(engine_url: str, policy: Path) -> None:
@@ -354,6 +375,9 @@ def run(args: Any) -> int:
     for noisy in ("httpx", "ingest.processor", "ingest.io.broker"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config_from_args(LoopConfig, args)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # "Writing model shards" between the rows
     print(HEADER, flush=True)
     result = run_loop(config, on_row=lambda row: print(format_row(row), flush=True),
                       on_status=lambda line: print(line, flush=True))

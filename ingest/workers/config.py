@@ -141,6 +141,9 @@ class WorkerConfig(BaseModel):
     """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
     dynamic_sampling_filter_path: str | None = None
     """The run's group filter, sent in `run_started` (e.g. `ingest.core.filters.reward_nonzero_std`)."""
+    std_normalization: bool = True
+    """Divide GRPO advantages by the group's reward std (sent in `run_started`); Dr.GRPO
+    runs without it."""
     publish_run_started: bool = True
     """Publish `run_started` with this worker's batch settings before the first group."""
     weight_version: int = Field(default=0, ge=0)
@@ -212,5 +215,6 @@ class WorkerConfig(BaseModel):
             "over_sampling_batch_size": self.groups_per_step,
             "dynamic_sampling_filter_path": self.dynamic_sampling_filter_path,
             "reward_key": self.reward_key,
+            "std_normalization": self.std_normalization,
             **({} if self.max_staleness is None else {"max_staleness": self.max_staleness}),
         }
