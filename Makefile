@@ -1,4 +1,5 @@
-# rolloutlake: `make demo` runs the whole pipeline on the embedded broker, `make test` the tests.
+# rolloutlake: `make demo` runs the whole RL loop (a tiny policy learns on the vLLM CPU engine),
+# `make demo-simulate` the simulated pipeline, `make test` the tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install kafka-jars engine demo test test-fast lint bench clean
+.PHONY: install kafka-jars engine demo demo-simulate test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[trainer,test]'
+	$(PIP) install -q -e '.[trainer,test,demo]'
 	touch $(STAMP)
 
 # The jars of the embedded Apache Kafka broker (`rolloutlake broker --engine kafka`).
@@ -31,8 +32,11 @@ kafka-jars:
 engine:
 	PYTHON=$(PYTHON) sh deploy/engine/install.sh $(ENGINE_VENV)
 
-demo: install
+demo: install engine
 	$(VENV)/bin/rolloutlake demo
+
+demo-simulate: install
+	$(VENV)/bin/rolloutlake demo --simulate
 
 test: install kafka-jars engine
 	sh deploy/install-test-deps.sh

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schemas": ("schemas.export", "export JSON Schemas of events, print Delta table schemas"),
     "process": ("ingest.processor.main", "run the stream processor (events -> Delta batches)"),
     "simulate": ("ingest.commands.simulate", "publish simulated rollout runs (load generator)"),
-    "demo": ("ingest.commands.demo", "broker + processor + simulator for 5 steps; prints the steps"),
+    "demo": ("ingest.commands.demo", "the whole RL loop: a tiny policy learns a task (--simulate: the simulated pipeline)"),
     "replay": ("ingest.commands.replay", "re-derive a run's decisions and batches from the events archive"),
     "audit": ("ingest.commands.audit", "lineage of a group, batch row or trainer step: events to trainer update"),
     "whatif": ("ingest.commands.whatif", "diff a run replayed into another lake against the original"),

@@ -1,8 +1,10 @@
-"""`make demo` / `rolloutlake demo`: the whole pipeline on the embedded defaults.
+"""`make demo` / `rolloutlake demo`: the whole RL loop, or the simulated pipeline.
 
-Starts the embedded broker, the stream processor and the simulator (closed loop, Miles
-rollout semantics) for 5 steps of 32 groups x 8 samples with the DAPO filter, then prints
-one row per sealed step and where the tables are.
+`rolloutlake demo` runs the whole loop (`ingest.commands.loop`): a tiny policy on the vLLM
+CPU engine learns a task through Kafka, the processor, Delta and the DeepSpeed trainer.
+`rolloutlake demo --simulate` starts the embedded broker, the stream processor and the
+simulator (closed loop, Miles rollout semantics) for 5 steps of 32 groups x 8 samples with
+the DAPO filter, then prints one row per sealed step and where the tables are.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ingest.commands import loop
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.commands.step_table import step_table
 from ingest.io.broker import EmbeddedBroker, free_port
@@ -24,17 +27,24 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from schemas.errors import RolloutlakeError
 
+SIMULATED = {"steps": 5, "groups": 32, "n_samples": 8, "seed": 0}  # --simulate's defaults
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--simulate", action="store_true",
+                        help="the quick simulated pipeline (simulator, processor, Delta; no "
+                             "engine or trainer): 5 steps of 32 groups x 8 samples by default")
     parser.add_argument("--lake", type=Path, default=None,
-                        help="lake root (default: a fresh folder under ./lake/)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--groups", type=int, default=32, help="kept groups per step")
-    parser.add_argument("--n-samples", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+                        help="with --simulate: lake root (default: a fresh folder under ./lake/)")
+    loop.add_arguments(parser)  # --steps, --groups, --n-samples and --seed serve both
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.simulate:
+        return loop.run(args)
+    for name, default in SIMULATED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     # The demo owns its broker, and a failure there surfaces as a processor or simulator
     # error it reports; kafka-python's own records (slow-poll warnings on a busy machine,
     # reconnects) would only clutter the terminal the demo draws in.

@@ -98,10 +98,23 @@ class WorkerConfig(BaseModel):
     """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
     dynamic_sampling_filter_path: str | None = None
     """The run's group filter, sent in `run_started` (e.g. `ingest.core.filters.reward_nonzero_std`)."""
+    std_normalization: bool = True
+    """Divide GRPO advantages by the group's reward std (sent in `run_started`); Dr.GRPO
+    runs without it."""
     publish_run_started: bool = True
     """Publish `run_started` with this worker's batch settings before the first group."""
     weight_version: int = Field(default=0, ge=0)
     """Weight version the engines serve at the start; `weights_updated` raises it."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """The run's `max_staleness`, sent in `run_started`. When set, the groups of step `s`
+    are issued only once the engines serve weight version `s - max_staleness` or newer
+    (versions count trainer updates, as the trainer's `weights_updated` numbers them
+    with `--save-weights-every 1`): 0 is Miles' synchronous loop, every sample generated
+    by the weights trained on all earlier steps. Unset issues each step at once."""
+    seed: int | None = Field(default=None, ge=0, lt=2**31)
+    """Seed of the engines' sampling: sample `i` of the run is drawn with seed
+    `seed * 2**32 + i`, so the same weights give the same samples (vLLM only). Unset:
+    the engine's own randomness."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -129,6 +142,13 @@ class WorkerConfig(BaseModel):
             raise ValueError(f"must be >= --rollout-batch-size ({batch}), got {value}")
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_needs_vllm(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("engine") == "sglang":
+            raise ValueError("the SGLang adapter sends no per-request seed; unset --seed")
+        return value
+
     @property
     def groups_per_step(self) -> int:
         return self.over_sampling_batch_size or self.rollout_batch_size
@@ -145,4 +165,6 @@ class WorkerConfig(BaseModel):
             "over_sampling_batch_size": self.groups_per_step,
             "dynamic_sampling_filter_path": self.dynamic_sampling_filter_path,
             "reward_key": self.reward_key,
+            "std_normalization": self.std_normalization,
+            **({} if self.max_staleness is None else {"max_staleness": self.max_staleness}),
         }

@@ -35,6 +35,7 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 64
     ignore_eos: bool = False  # sent only when set, so default bodies stay the engines' own
+    seed: int | None = None  # per request; sent only when set (vLLM)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def vllm_completion_body(prompt_tokens: list[int], sampling: Sampling,
         "return_tokens_as_token_ids": True,
         "request_id": request_id,
         **({"ignore_eos": True} if sampling.ignore_eos else {}),
+        **({"seed": sampling.seed} if sampling.seed is not None else {}),
     }
 
 

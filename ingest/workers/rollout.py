@@ -13,12 +13,14 @@ sent: both become `sample_aborted(reason="cancelled")`, which the processor coun
 
 On `weights_updated` every engine reloads the new weights (in place, requests in flight
 finishing under the old ones); requests wait meanwhile, and each sample carries the
-weight version its request was sent under.
+weight version its request was sent under. With `max_staleness` k, step s is issued only
+once the engines serve version s - k or newer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import math
@@ -127,6 +129,7 @@ class RolloutWorker:
         self._serving = asyncio.Event()  # cleared while the engines load new weights
         self._serving.set()
         self._reloads = asyncio.Lock()
+        self._new_weights = asyncio.Condition()  # notified when weight_version rises
 
     def on_control(self, message: StepSealed | WeightsUpdated) -> None:
         """A `rollout.control` message of this run (call on the loop)."""
@@ -157,7 +160,9 @@ class RolloutWorker:
                 log.error("weights %d from %s did not load on %s; samples keep version %d",
                           message.version, message.path, failed, self.weight_version)
                 return
-            self.weight_version = message.version
+            async with self._new_weights:
+                self.weight_version = message.version
+                self._new_weights.notify_all()
             log.info("engines serve weight version %d (%s)", message.version, message.path)
 
     def step_sealed(self, step: int) -> None:
@@ -190,6 +195,7 @@ class RolloutWorker:
             for step in range(self.config.first_step,
                               self.config.first_step + self.config.num_steps):
                 self._step = step
+                await self._wait_for_weights(step)
                 await self._run_step(step)
                 log.info("%s", self.progress.line(step))
         finally:
@@ -204,6 +210,18 @@ class RolloutWorker:
             if not await engine.health():
                 raise EngineError(f"no engine answers at {engine.url}/health; start one with "
                                   "`rolloutlake engine` or fix --engine-url")
+
+    async def _wait_for_weights(self, step: int) -> None:
+        """Hold step `step` back until the engines serve weights at most `max_staleness`
+        versions behind it."""
+        if self.config.max_staleness is None:
+            return
+        needed = step - self.config.max_staleness
+        if self.weight_version < needed:
+            log.info("step %d waits for weight version %d (engines serve %d)", step, needed,
+                     self.weight_version)
+        async with self._new_weights:
+            await self._new_weights.wait_for(lambda: self.weight_version >= needed)
 
     async def _run_step(self, step: int) -> None:
         per_step = self.config.groups_per_step
@@ -235,7 +253,9 @@ class RolloutWorker:
                 self._in_flight[step].add(request_id)
                 self.progress.in_flight += 1
                 try:
-                    generation = await engine.generate(prompt.tokens, self.sampling, request_id)
+                    generation = await engine.generate(prompt.tokens,
+                                                       self._sampling_for(sample_index),
+                                                       request_id)
                 except EngineError as err:
                     if request_id not in self._cancelled:
                         self._engine_failed(str(err))
@@ -261,6 +281,11 @@ class RolloutWorker:
             return
         await self._publish_finished(group_index, rollout_id, sample_index, prompt, generation,
                                      weight_version)
+
+    def _sampling_for(self, sample_index: int) -> Sampling:
+        if self.config.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=self.config.seed * 2**32 + sample_index)
 
     def _engine_failed(self, message: str) -> None:
         self.progress.engine_errors += 1

@@ -183,7 +183,7 @@ def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
 @pytest.mark.slow
 def test_demo_keeps_kafka_client_noise_out_of_the_terminal(tmp_path):
     lake = tmp_path / "demo-lake"
-    result = cli("demo", "--steps", "1", "--groups", "2", "--n-samples", "2", "--lake", str(lake),
+    result = cli("demo", "--simulate", "--steps", "1", "--groups", "2", "--n-samples", "2", "--lake", str(lake),
                  timeout=300)
     assert result.returncode == 0, result.stderr
     assert "sealed steps" in result.stdout

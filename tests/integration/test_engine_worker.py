@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ingest.cli"]
 VOCAB = 64
 PROMPT = "12+34="
-REWARD_PATH = "tests.integration.user_rewards.digit_share_or_raise"
+REWARD_PATH = "tests.support.user_rewards.digit_share_or_raise"
 
 
 @dataclass

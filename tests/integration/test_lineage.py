@@ -23,7 +23,7 @@ from ingest.io.lineage import (
     row_lineage,
     trainer_step_lineage,
 )
-from schemas.errors import ConfigError
+from schemas.errors import InvalidInputError
 from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
 from tests.integration.test_cli import cli, one_line_error
 
@@ -135,9 +135,9 @@ def test_as_of_reads_the_lake_as_it_was(trained):
     with pytest.raises(LineageNotFound, match="has no events, groups or steps"):
         group_lineage(parse_as_of(lake, "2000-01-01T00:00:00"), RUN, 0)
     assert parse_as_of(lake, "2000-01-01T00:00:00").at == datetime(2000, 1, 1, tzinfo=UTC)
-    with pytest.raises(ConfigError, match=r"as of '999': training_batches has no version 999"):
+    with pytest.raises(InvalidInputError, match=r"as of '999': training_batches has no version 999"):
         parse_as_of(lake, "999")
-    with pytest.raises(ConfigError, match="neither a training_batches version"):
+    with pytest.raises(InvalidInputError, match="neither a training_batches version"):
         parse_as_of(lake, "yesterday")
 
 

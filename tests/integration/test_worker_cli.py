@@ -18,7 +18,7 @@ from trainer.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ingest.cli"]
-REWARD_PATH = "tests.integration.user_rewards.digit_share_or_raise"
+REWARD_PATH = "tests.support.user_rewards.digit_share_or_raise"
 
 
 def refused(*args: str) -> str:
@@ -84,14 +84,14 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
     (("--custom-rm-path", "no_such_module.rm"),
      "rolloutlake worker: --custom-rm-path: reward function path 'no_such_module.rm': cannot "
      "import module 'no_such_module': No module named 'no_such_module'"),
-    (("--custom-rm-path", "tests.integration.user_rewards.no_such_rm"),
+    (("--custom-rm-path", "tests.support.user_rewards.no_such_rm"),
      "rolloutlake worker: --custom-rm-path: reward function path "
-     "'tests.integration.user_rewards.no_such_rm': module 'tests.integration.user_rewards' has "
+     "'tests.support.user_rewards.no_such_rm': module 'tests.support.user_rewards' has "
      "no attribute 'no_such_rm'"),
-    (("--custom-rm-path", "tests.integration.user_rewards_broken.rm"),
+    (("--custom-rm-path", "tests.support.user_rewards_broken.rm"),
      "rolloutlake worker: --custom-rm-path: reward function path "
-     "'tests.integration.user_rewards_broken.rm': importing module "
-     "'tests.integration.user_rewards_broken' raised RuntimeError: this reward module is broken"),
+     "'tests.support.user_rewards_broken.rm': importing module "
+     "'tests.support.user_rewards_broken' raised RuntimeError: this reward module is broken"),
     (("--custom-rm-path", "rm"),
      "rolloutlake worker: --custom-rm-path: 'rm' is not of the form 'module.function' or "
      "'module:function'"),
@@ -100,6 +100,10 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
     (("--rollout-batch-size", "4", "--over-sampling-batch-size", "2"),
      "rolloutlake worker: --over-sampling-batch-size: must be >= --rollout-batch-size (4), "
      "got 2"),
+    (("--engine", "sglang", "--seed", "3"),
+     "rolloutlake worker: --seed: the SGLang adapter sends no per-request seed; unset --seed"),
+    (("--max-staleness", "-1"),
+     "rolloutlake worker: --max-staleness: Input should be greater than or equal to 0"),
     (("--n-samples-per-prompt", "0"),
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
 ])

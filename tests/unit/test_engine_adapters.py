@@ -68,6 +68,12 @@ def test_ignore_eos_reaches_both_engines_only_when_asked():
     assert "ignore_eos" not in sglang_generate_body([5], SAMPLING, "r")["sampling_params"]
 
 
+def test_vllm_gets_a_per_request_seed_only_when_one_is_set():
+    seeded = dataclasses.replace(SAMPLING, seed=7 * 2**32 + 3)
+    assert vllm_completion_body([5], seeded, "r")["seed"] == 7 * 2**32 + 3
+    assert "seed" not in vllm_completion_body([5], SAMPLING, "r")
+
+
 @pytest.mark.parametrize(("reason", "status"),
                          [("length", "truncated"), ("stop", "completed"), ("abort", "aborted")])
 def test_vllm_answer_maps_tokens_log_probs_and_finish_reason(reason, status):

@@ -34,7 +34,7 @@ def test_every_key_parses_to_its_config_field():
 def test_filter_names_the_builtin_or_a_user_filter():
     assert parse_what_if(["filter=dapo"]).overrides == {
         "dynamic_sampling_filter_path": DAPO_FILTER_PATH}
-    user = "tests.integration.user_filters.drop_long"
+    user = "tests.support.user_filters.drop_long"
     assert parse_what_if([f"filter={user}"]).apply(ORIGINAL).resolved_filter_path == user
     with pytest.raises(FilterLoadError, match="no.such"):
         parse_what_if(["filter=no.such.fn"])
