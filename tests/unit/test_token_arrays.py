@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from ingest.core.assembly import GroupBuilder
 from ingest.core.batching import RunBatcher
-from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.decide import decide
 from ingest.core.filters import miles_group
-from ingest.core.model import FilterVerdict
 from schemas.errors import EventValidationError
 from schemas.events import EVENT_MODELS, RunConfig, decode_event, encode_event
 from schemas.token_arrays import TOKEN_FIELDS
@@ -82,11 +81,11 @@ def _rows_and_hash(raw_events: list[bytes]):
     group = builder.group
     assert group.complete
     config = RunConfig(n_samples_per_prompt=N_SAMPLES, rollout_batch_size=1)
-    fragments = fragments_table(group, None, with_tokens=True)
-    header = header_for(group, FilterVerdict(True), decided_at=1.0,
-                        source={"partition": 0, "offset": 0}, at_us=1)
-    sealed = RunBatcher("prop", config).offer(DecidedGroup(header, fragments), now=1.0).sealed
-    return fragments, sealed[0].rows, sealed[0].content_sha256
+    decided = decide(group, config, at_us=1, source={"partition": 0, "offset": 0},
+                     decided_at=1.0)
+    assert decided.error is None and decided.group.header.decision == "kept"
+    sealed = RunBatcher("prop", config).offer(decided.group, now=1.0).sealed
+    return decided.group.fragments, sealed[0].rows, sealed[0].content_sha256
 
 
 @settings(max_examples=60, deadline=None)
