@@ -4,10 +4,12 @@ Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache K
 id carries `tansu` or `kafka`); a broker that does not start fails those tests. A module
 marked `one_broker` tests something else through the broker (the inference engine, Spark,
 an object store) and runs on the default engine only, to keep the suite's time.
+`ROLLOUTLAKE_TEST_BROKERS=tansu` (a comma list) narrows a local run to some engines.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -32,7 +34,18 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-@pytest.fixture(scope="session", params=ENGINES)
+def _engines_under_test() -> list[str]:
+    wanted = os.environ.get("ROLLOUTLAKE_TEST_BROKERS")
+    if not wanted:
+        return list(ENGINES)
+    engines = [name.strip() for name in wanted.split(",") if name.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        raise pytest.UsageError(f"ROLLOUTLAKE_TEST_BROKERS={wanted!r}: engines are {ENGINES}")
+    return engines
+
+
+@pytest.fixture(scope="session", params=_engines_under_test())
 def broker(request):
     """A real broker of each engine on a free loopback port; failing to start fails the test."""
     with EmbeddedBroker(free_port(), engine=request.param) as running:
