@@ -7,7 +7,6 @@ empty list or a 404 that says what is missing, never a 500.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any
 
 import pyarrow.compute as pc
@@ -20,6 +19,9 @@ from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
 from ingest.io.lake import Lake
 from ingest.io.lineage import (
+    GroupLineage,
+    RowLineage,
+    TrainerStepLineage,
     group_lineage,
     parse_as_of,
     row_lineage,
@@ -50,51 +52,6 @@ class StepMetrics(BaseModel):
 class RunMetrics(BaseModel):
     run_id: str
     steps: list[StepMetrics]
-
-
-class GroupAudit(BaseModel):
-    run_id: str
-    group_index: int
-    events: list[dict[str, Any]]
-    """Archived events in (topic, partition, offset) order with `ingested_at`, payloads
-    decoded."""
-    dead_letters: list[dict[str, Any]]
-    """Rejected messages of the group (position, error, at, raw_preview)."""
-    decision: dict[str, Any] | None
-    """The `groups` row (decision, reason, step, batch_step, ...); null while undecided."""
-    samples: list[dict[str, Any]]
-    training_rows: list[dict[str, Any]]
-    """The `training_batches` rows it fed, without token arrays."""
-    steps: list[dict[str, Any]]
-    """The `steps` rows that sealed them (batch_version, content_sha256)."""
-    trainer_steps: list[dict[str, Any]]
-    """The `trainer_steps` rows that trained on them (loss, `update` = weights version)."""
-
-
-class RowAudit(BaseModel):
-    row: dict[str, Any]
-    """The `training_batches` row, without token arrays."""
-    group: GroupAudit
-    """The lineage of the row's group."""
-
-
-class ConsumedGroup(BaseModel):
-    group_index: int
-    positions: list[int]
-    decision: dict[str, Any] | None
-    events: list[dict[str, Any]]
-    """Archived events with their Kafka positions, payloads left out."""
-
-
-class TrainerStepAudit(BaseModel):
-    run_id: str
-    step: int
-    trainer_step: dict[str, Any]
-    """The `trainer_steps` row (loss, batch_version, `update` = weights version produced)."""
-    sealed: dict[str, Any] | None
-    content_verified: bool
-    """The rows at the trained batch_version hash to the trainer's content_sha256."""
-    groups: list[ConsumedGroup]
 
 
 AsOfQuery = Annotated[str | None, Query(
@@ -156,43 +113,43 @@ def _lineage(find, lake: Lake, as_of: str | None, *key: Any):
     return find(parse_as_of(lake, as_of), *key)
 
 
-def _audit(lake: Lake, run_id: str, group_index: int, as_of: str | None) -> GroupAudit:
+def _audit(lake: Lake, run_id: str, group_index: int, as_of: str | None) -> GroupLineage:
     found = _lineage(group_lineage, lake, as_of, run_id, group_index)
-    return GroupAudit(**dataclasses.asdict(found))
+    return found
 
 
 @router.get("/v1/runs/{run_id}/groups/{group_index}", responses=errors(
     *AUTH, 422, described={404: "Nothing is known about the group yet."}))
 async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRun,
-                          lake: LakeDep, as_of: AsOfQuery = None) -> GroupAudit:
+                          lake: LakeDep, as_of: AsOfQuery = None) -> GroupLineage:
     """Lineage of one group: its events with their Kafka positions, dead letters, decision
     and reason, samples, the training rows it fed, the steps that sealed them and the
     trainer steps that trained on them."""
     return await run_in_threadpool(_audit, lake, run_id, group_index, as_of)
 
 
-def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -> RowAudit:
+def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -> RowLineage:
     found = _lineage(row_lineage, lake, as_of, run_id, step, position)
-    return RowAudit(**dataclasses.asdict(found))
+    return found
 
 
 @router.get("/v1/runs/{run_id}/steps/{step}/rows/{position}", responses=errors(
     *AUTH, 422, described={404: "No training_batches row at that step and position."}))
 async def get_row_audit(run_id: RunIdPath, step: NonNegative, position: NonNegative,
-                        _: ReadRun, lake: LakeDep, as_of: AsOfQuery = None) -> RowAudit:
+                        _: ReadRun, lake: LakeDep, as_of: AsOfQuery = None) -> RowLineage:
     """Lineage of one training_batches row: the row and the lineage of its group."""
     return await run_in_threadpool(_row, lake, run_id, step, position, as_of)
 
 
-def _trainer_step(lake: Lake, run_id: str, step: int, as_of: str | None) -> TrainerStepAudit:
+def _trainer_step(lake: Lake, run_id: str, step: int, as_of: str | None) -> TrainerStepLineage:
     found = _lineage(trainer_step_lineage, lake, as_of, run_id, step)
-    return TrainerStepAudit(**dataclasses.asdict(found))
+    return found
 
 
 @router.get("/v1/runs/{run_id}/trainer-steps/{step}", responses=errors(
     *AUTH, 422, described={404: "The step has no trainer_steps row."}))
 async def get_trainer_step_audit(run_id: RunIdPath, step: NonNegative, _: ReadRun,
-                                 lake: LakeDep, as_of: AsOfQuery = None) -> TrainerStepAudit:
+                                 lake: LakeDep, as_of: AsOfQuery = None) -> TrainerStepLineage:
     """Lineage of a trained step: the groups and events it consumed, at the batch version
     it trained on."""
     return await run_in_threadpool(_trainer_step, lake, run_id, step, as_of)

@@ -8,7 +8,6 @@ as tables or as JSON (`--json`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
@@ -57,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         found = group_lineage(snap, args.run, args.group)
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(dataclasses.asdict(found), option=orjson.OPT_INDENT_2
+        sys.stdout.buffer.write(orjson.dumps(found.model_dump(), option=orjson.OPT_INDENT_2
                                              | orjson.OPT_NON_STR_KEYS) + b"\n")
         return 0
     console = Console()

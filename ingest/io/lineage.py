@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict
 
 from ingest.io.lake import Lake
 from schemas.errors import InvalidInputError, NotFoundError
@@ -98,8 +99,13 @@ def parse_as_of(lake: Lake, text: str | None) -> Snapshot:
     return Snapshot(lake, at=at if at.tzinfo else at.replace(tzinfo=UTC))
 
 
-@dataclass
-class GroupLineage:
+class _Record(BaseModel):
+    """A lineage answer: what `rolloutlake audit --json` prints and the gateway returns."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+
+class GroupLineage(_Record):
     run_id: str
     group_index: int
     events: list[dict[str, Any]]
@@ -118,31 +124,33 @@ class GroupLineage:
     """The `trainer_steps` rows that trained on them (loss, `update` = weights version)."""
 
 
-@dataclass
-class RowLineage:
+class RowLineage(_Record):
     row: dict[str, Any]
     """The `training_batches` row, without token arrays."""
     group: GroupLineage
+    """The lineage of the row's group."""
 
 
-@dataclass
-class ConsumedGroup:
+class ConsumedGroup(_Record):
     group_index: int
-    positions: list[int]  # the step's rows from this group
+    positions: list[int]
+    """The step's rows from this group."""
     decision: dict[str, Any] | None
-    events: list[dict[str, Any]]  # archived events, payload left out
+    events: list[dict[str, Any]]
+    """Archived events with their Kafka positions, payloads left out."""
 
 
-@dataclass
-class TrainerStepLineage:
+class TrainerStepLineage(_Record):
     run_id: str
     step: int
     trainer_step: dict[str, Any]
+    """The `trainer_steps` row (loss, batch_version, `update` = weights version produced)."""
     sealed: dict[str, Any] | None
     """The `steps` row of the step; None if the snapshot predates it."""
     content_verified: bool
     """The rows at the trained `batch_version` hash to the trainer's `content_sha256`."""
-    groups: list[ConsumedGroup]  # in the order their first row appears in the batch
+    groups: list[ConsumedGroup]
+    """In the order their first row appears in the batch."""
 
 
 def _of_run(run_id: str, *more: pc.Expression) -> pc.Expression:
@@ -232,5 +240,6 @@ def trainer_step_lineage(snap: Snapshot, run_id: str, step: int) -> TrainerStepL
         run_id=run_id, step=step, trainer_step=row,
         sealed=sealed[0] if sealed else None,
         content_verified=content_sha256(batch) == row["content_sha256"],
-        groups=[ConsumedGroup(g, p, decisions.get(g), events.get(g, []))
+        groups=[ConsumedGroup(group_index=g, positions=p, decision=decisions.get(g),
+                              events=events.get(g, []))
                 for g, p in positions.items()])
