@@ -16,7 +16,6 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import TableNotFoundError
+from pydantic import BaseModel
 
 from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
 from ingest.io.lake import lake_storage_options
@@ -79,17 +79,26 @@ def format_of(filename: str | None) -> Format:
     return FORMATS[suffix]
 
 
-@dataclass
-class UploadReport:
+class BadLine(BaseModel):
+    line: int
+    """1-based line (JSONL) or row (Parquet) number in the upload."""
+    reason: str
+
+
+class DatasetUploaded(BaseModel):
     name: str
     version: int
+    """The Delta table version this upload became (time travel: `?version=`)."""
     valid_rows: int
     rows_kept: int
     rows_sliced_out: int
     rows_filtered: int
+    """Rows dropped by `max_prompt_len`."""
     length_unit: str
     bad_line_count: int
-    bad_lines: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: list[BadLine]
+    """The first 1000 bad lines."""
+
 
 
 def _parquet_objects(path: Path) -> Iterator[tuple[int, Any]]:
@@ -136,7 +145,7 @@ class DatasetStore:
             dt.load_as_version(version)
         return dt
 
-    def ingest(self, name: str, upload: Path, fmt: Format, opts: DatasetOptions) -> UploadReport:
+    def ingest(self, name: str, upload: Path, fmt: Format, opts: DatasetOptions) -> DatasetUploaded:
         """Parse, slice, filter and store `upload` as the next version of `name`."""
         measure = self._measure(opts)
         spool = upload.with_suffix(".spool.parquet")
@@ -182,7 +191,7 @@ class DatasetStore:
             version = self._write(name, itertools.chain([first], batches), opts)
         finally:
             spool.unlink(missing_ok=True)
-        return UploadReport(
+        return DatasetUploaded(
             name=name, version=version, valid_rows=valid, rows_kept=kept,
             rows_sliced_out=valid - max(hi - lo, 0), rows_filtered=filtered,
             length_unit="tokens" if opts.tokenizer else "characters",

@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 from gateway.datasets import (
     SLICE,
     DatasetStore,
-    UploadReport,
+    DatasetUploaded,
     format_of,
     parse_slice,
 )
@@ -29,27 +29,6 @@ from ingest.core.dataset_rows import DatasetOptions
 router = APIRouter(tags=["datasets"])
 
 CHUNK = 1024 * 1024
-
-
-class BadLine(BaseModel):
-    line: int
-    """1-based line (JSONL) or row (Parquet) number in the upload."""
-    reason: str
-
-
-class DatasetUploaded(BaseModel):
-    name: str
-    version: int
-    """The Delta table version this upload became (time travel: `?version=`)."""
-    valid_rows: int
-    rows_kept: int
-    rows_sliced_out: int
-    rows_filtered: int
-    """Rows dropped by `max_prompt_len`."""
-    length_unit: str
-    bad_line_count: int
-    bad_lines: list[BadLine]
-    """The first 1000 bad lines."""
 
 
 class DatasetVersion(BaseModel):
@@ -143,10 +122,10 @@ async def upload_dataset(
     try:
         received_as = await _spool_upload(request, target, filename)
         fmt = format or format_of(received_as)
-        report: UploadReport = await run_in_threadpool(datasets.ingest, name, target, fmt, opts)
+        report = await run_in_threadpool(datasets.ingest, name, target, fmt, opts)
     finally:
         target.unlink(missing_ok=True)
-    return DatasetUploaded.model_validate(report.__dict__)
+    return report
 
 
 def _table_or_404(datasets: DatasetStore, name: str, version: int | None) -> DeltaTable:
