@@ -24,9 +24,10 @@ import argparse
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from schemas.bounds import FieldValueError
@@ -34,6 +35,16 @@ from schemas.errors import ConfigError
 
 Model = TypeVar("Model", bound=BaseModel)
 UNSET = "none"
+
+
+def _existing_file(value: Path) -> Path:
+    if not value.is_file():
+        raise ValueError(f"no such file: {value}")
+    return value
+
+
+ExistingFile = Annotated[Path, AfterValidator(_existing_file)]
+"""A path that must name an existing file when the config is read."""
 
 
 def flags_of(model: type[BaseModel], name: str) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import LakePath
+from schemas.config import ExistingFile
 from schemas.dotted import DottedPath
 from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
@@ -32,7 +33,7 @@ class TrainerConfig(BaseModel):
     """The run whose sealed steps are trained."""
     model: str = "tiny"
     """Local Hugging Face model folder, or `tiny` for a small random causal LM (no download)."""
-    deepspeed: Path
+    deepspeed: ExistingFile
     """DeepSpeed JSON config (ZeRO stage, precision, optional optimizer and scheduler)."""
     steps: int | None = Field(default=None, ge=1)
     """Exit once the run has this many trained steps in total (counted across restarts);
@@ -105,13 +106,6 @@ class TrainerConfig(BaseModel):
     def _model_exists(cls, value: str | None) -> str | None:
         if value is not None and value != "tiny" and not Path(value).is_dir():
             raise ValueError(f"{value!r} is neither 'tiny' nor a local model folder")
-        return value
-
-    @field_validator("deepspeed")
-    @classmethod
-    def _ds_config_exists(cls, value: Path) -> Path:
-        if not value.is_file():
-            raise ValueError(f"no such file: {value}")
         return value
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ingest.io.kafka import KafkaSettings
 from ingest.workers.engines import EngineKind
+from schemas.config import ExistingFile
 from schemas.dotted import DottedPath
 from schemas.events import RunId
 
@@ -55,7 +56,7 @@ class WorkerConfig(BaseModel):
 
     run: RunId
     """The run whose rollouts this worker generates."""
-    prompt_data: Path
+    prompt_data: ExistingFile
     """JSONL dataset of prompts (Miles `--prompt-data`), one object per line."""
     tokenizer: Path
     """Hugging Face tokenizer folder of the engine's model (for `--model tiny`: its
@@ -119,13 +120,6 @@ class WorkerConfig(BaseModel):
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds one engine request may take before it is an engine error."""
-
-    @field_validator("prompt_data")
-    @classmethod
-    def _dataset_exists(cls, value: Path) -> Path:
-        if not value.is_file():
-            raise ValueError(f"no such file: {value}")
-        return value
 
     @field_validator("tokenizer")
     @classmethod
