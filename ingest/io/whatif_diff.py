@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ingest.io.lake import Lake
-from ingest.io.png import line_panels
+from ingest.io.plots import Curve, Panel, save_panels
 from schemas.errors import RolloutlakeError
 
 # Shown in the terminal (all keys are in the JSON); also the default curves of the PNG.
@@ -189,14 +189,19 @@ def print_diff(diff: WhatIfDiff, console: Console, *, max_groups: int = 50) -> N
     console.print(table)
 
 
-def plot_diff(diff: WhatIfDiff, path: Path, keys: tuple[str, ...] = HEADLINE_METRICS) -> None:
-    """A PNG with one panel per metric key (top to bottom in `keys` order), the original's
-    curve over steps in blue and the what-if's in orange."""
+def plot_diff(diff: WhatIfDiff, path: Path, keys: tuple[str, ...] = HEADLINE_METRICS,
+              *, title: str | None = None) -> Path:
+    """A PNG with one panel per metric key (left to right, two a row, in `keys` order): the
+    original's curve over steps and the what-if's, each panel on its own scale."""
     panels = []
     for key in keys:
         curves = []
-        for side in ("original", "what_if"):
-            curves.append([(step, getattr(m[key], side)) for step, m in diff.metrics.items()
-                           if key in m and getattr(m[key], side) is not None])
-        panels.append(curves)
-    path.write_bytes(line_panels(panels))
+        for side, label, style in (("original", "original", "-"),
+                                   ("what_if", "what-if", "--")):
+            points = [(step, getattr(m[key], side)) for step, m in diff.metrics.items()
+                      if key in m and getattr(m[key], side) is not None]
+            curves.append(Curve(label, [s for s, _ in points], [v for _, v in points],
+                                linestyle=style, marker="."))
+        panels.append(Panel(key, key.removeprefix("rollout/"), curves))
+    return save_panels(path, panels, columns=2, panel_size=(6, 3.5),
+                       title=title or f"run {diff.run_id}: original vs what-if")
