@@ -55,7 +55,7 @@ def archived_config(lake: Lake, run_id: str) -> RunConfig:
     """The run's config from its last archived `run_started` event."""
     rows = read_archive(lake, (pc.field("run_id") == run_id) & (pc.field("type") == "run_started"))
     if not rows:
-        raise ConfigError(f"run {run_id} has no archived run_started; pass --config FILE")
+        raise ConfigError(f"run {run_id} has no archived run_started; pass --config-file FILE")
     return RunConfig.model_validate(orjson.loads(rows[-1].payload)["config"])
 
 
@@ -113,9 +113,12 @@ class Replayed:
         return sum(len(e.groups) for e in self.effects)
 
 
-class _EventsPerSecond(ProgressColumn):
+class _Rate(ProgressColumn):
+    """The task's speed in its own unit (`add_task(..., unit=...)`)."""
+
     def render(self, task: Task) -> Text:
-        return Text(f"{task.speed or 0:,.0f} events/s", style="progress.data.speed")
+        return Text(f"{task.speed or 0:,.0f} {task.fields['unit']}/s",
+                    style="progress.data.speed")
 
 
 def replay_run(lake: Lake, run_id: str, config: RunConfig) -> Replayed:
@@ -127,9 +130,10 @@ def replay_run(lake: Lake, run_id: str, config: RunConfig) -> Replayed:
     merge = DecisionMerge(partitions=0)
     console = Console(stderr=True)
     # Not on a terminal (a pipe, a log file) no bar is drawn at all.
-    with Progress(*Progress.get_default_columns(), _EventsPerSecond(), console=console,
+    with Progress(*Progress.get_default_columns(), _Rate(), console=console,
                   transient=True, disable=not console.is_terminal) as progress:
-        deciding = progress.add_task(f"replaying {run_id}: deciding groups", total=None)
+        deciding = progress.add_task(f"replaying {run_id}: deciding groups", total=None,
+                                     unit="events")
         events = 0
 
         def decided(done: int, total: int) -> None:
@@ -139,7 +143,8 @@ def replay_run(lake: Lake, run_id: str, config: RunConfig) -> Replayed:
         items = archived_items(lake, run_id, config, decided)
         for item in items:
             merge.add(item.order_key(), item)
-        batching = progress.add_task(f"replaying {run_id}: batching", total=len(items))
+        batching = progress.add_task(f"replaying {run_id}: batching", total=len(items),
+                                     unit="decisions")
         effects = []
         for _key, item in merge.drain():
             effects.append(batcher.apply(item))
