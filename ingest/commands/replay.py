@@ -251,7 +251,8 @@ def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, what_if: Wha
     replayed = replay_run(source, args.run, config)
     write_effects(out, args.run, replayed.effects)
     diff = compare_lakes(source, out, args.run)
-    console = Console(stderr=args.json)  # stdout holds only the JSON then
+    # stdout holds only the JSON then; lines are not wrapped, so a pipe or log gets them whole
+    console = Console(stderr=args.json, soft_wrap=True)
     if args.plot is not None:
         try:
             plot_diff(diff, args.plot, title=f"run {args.run}: original vs what-if "

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pyarrow.compute as pc
 import pytest
 
 from ingest.cli import COMMANDS
@@ -215,6 +217,12 @@ def test_replay_reproduces_the_original_batches(simulated_lake, tmp_path):
                  str(tmp_path / "replayed"), "--check")
     assert result.returncode == 0, result.stderr
     assert "every step hash, decision and metric equals the original (3 steps)" in result.stdout
+    lake = Lake(simulated_lake)
+    events = lake.read("events", filter=(pc.field("run_id") == "cli-run")
+                       & (pc.field("type") != "run_started")).num_rows
+    groups = lake.read("groups", filter=pc.field("run_id") == "cli-run").num_rows
+    assert re.search(rf"re-derived {groups} groups from {events} events in [0-9.]+ s "
+                     r"\([0-9,]+ events/s\) into ", result.stdout), result.stdout
 
 
 def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_path):

@@ -96,20 +96,29 @@ def test_filter_off_rederives_exactly_the_groups_the_filter_dropped(original, tm
     assert f"{len(diff['groups'])} of {diff['groups_compared']} groups changed" in table.stdout
 
 
+@pytest.fixture(scope="module")
+def larger_unfiltered(original, tmp_path_factory) -> tuple[str, int]:
+    """The run without a filter and a batch as large as step 0's offered groups (more than
+    the run's over-sampling, so `over_sampling_batch_size` must follow): the what-if
+    lake and that batch size."""
+    batch = int(metrics(original)[0]["rollout/groups_offered"])
+    assert batch > SIM.over_sampling
+    into = tmp_path_factory.mktemp("whatif") / "larger-unfiltered"
+    what_if(original, into, "filter=none", f"rollout_batch_size={batch}",
+            f"over_sampling_batch_size={batch}")
+    return str(into), batch
+
+
 def test_filter_off_raw_reward_is_the_originals_unfiltered_where_no_surplus_intervenes(
-        original, tmp_path):
-    before = metrics(original)
-    # A batch as large as step 0's offered groups keeps all of them when nothing filters.
-    offered = int(before[0]["rollout/groups_offered"])
-    assert offered > SIM.over_sampling  # so over_sampling_batch_size must follow
-    into = tmp_path / "nofilter-large"
-    what_if(original, into, "filter=none", f"rollout_batch_size={offered}",
-            f"over_sampling_batch_size={offered}")
-    after = metrics(into)
+        original, larger_unfiltered):
+    into, batch = larger_unfiltered
+    before, after = metrics(original), metrics(into)
+    # A step of the what-if that kept every group offered to it trains on what the
+    # original offered its filter.
     compared = [s for s, m in after.items() if m["rollout/groups_surplus"] == 0]
     assert 0 in compared
     # The original filtered at step 0: its batch's reward is not the unfiltered one.
-    assert before[0]["rollout/groups_kept"] < offered
+    assert before[0]["rollout/groups_kept"] < batch
     assert before[0]["rollout/raw_reward"] != pytest.approx(
         before[0]["rollout/raw_reward_unfiltered"])
     for step in compared:
@@ -118,19 +127,21 @@ def test_filter_off_raw_reward_is_the_originals_unfiltered_where_no_surplus_inte
             before[step]["rollout/raw_reward_unfiltered"])
 
 
-def test_a_larger_batch_seals_fewer_steps(original, tmp_path):
-    into = tmp_path / "bigger"
-    diff = what_if(original, into, f"rollout_batch_size={2 * SIM.rollout_batch_size}")
+def test_a_larger_batch_seals_fewer_steps(original, larger_unfiltered):
+    into, batch = larger_unfiltered
+    offered = {s: m["rollout/groups_offered"] for s, m in metrics(original).items()}
     sealed_before = {s["step"] for s in of_run(original, "steps")}
     sealed_after = {s["step"] for s in of_run(into, "steps")}
-    assert sealed_after < sealed_before  # the same events fill fewer, larger steps
-    assert {s["step"] for s in diff["steps"] if s["what_if_sha256"] is None} == (
-        sealed_before - sealed_after)
-    assert all(s["n_samples"] > 0 for s in of_run(into, "steps"))
-    shown = cli("replay", "--lake", original, "--run", RUN, "--config",
-                f"rollout_batch_size={2 * SIM.rollout_batch_size}")
+    # Without a filter every offered group is kept until the batch is full: a step seals
+    # when its generation offered at least a batch.
+    assert sealed_after == {s for s, n in offered.items() if n >= batch}
+    assert sealed_after and sealed_after < sealed_before
+    assert {s["n_groups"] for s in of_run(into, "steps")} == {batch}
+    shown = cli("replay", "--lake", original, "--run", RUN, "--config", "filter=none",
+                f"rollout_batch_size={batch}", f"over_sampling_batch_size={batch}")
     assert shown.returncode == 0, shown.stderr
-    assert "steps sealed only in the original: " in shown.stdout
+    only = ", ".join(map(str, sorted(sealed_before - sealed_after)))
+    assert f"steps sealed only in the original: {only} (" in shown.stdout
 
 
 def _versions(lake: str) -> dict[str, int]:
