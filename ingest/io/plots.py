@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Panel:
     ylabel: str
     curves: Sequence[Curve]
     xlabel: str = "step"
+    integer_x: bool = True  # steps: no 0.5 ticks
     ylim: tuple[float, float] | None = None
     legend_loc: str = "best"
 
@@ -46,6 +48,8 @@ def panels_figure(panels: Sequence[Panel], *, columns: int = 1, title: str | Non
         axes.set_title(panel.title)
         axes.set_xlabel(panel.xlabel)
         axes.set_ylabel(panel.ylabel)
+        if panel.integer_x:
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.ylim is not None:
             axes.set_ylim(*panel.ylim)
         axes.grid(alpha=0.3)

@@ -27,6 +27,7 @@ def test_each_panel_has_its_title_labels_legend_and_curves():
     assert list(what_if.get_ydata()) == [0.2, 0.4] and what_if.get_linestyle() == "--"
     assert original.get_color() != what_if.get_color()
     assert kept.get_ylim() == (0, 4)
+    assert all(tick == int(tick) for tick in reward.get_xticks())  # steps are whole
     assert figure.get_suptitle() == "run r"
 
 
