@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[trainer,test,demo]'
+	$(PIP) install -q -e '.[trainer,test]'
 	touch $(STAMP)
 
 # The jars of the embedded Apache Kafka broker (`rolloutlake broker --engine kafka`).

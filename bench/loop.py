@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ingest.commands.loop import LoopConfig, LoopError, StepRow, run_loop  # noqa: E402
 from ingest.io.broker import EmbeddedBroker, free_port  # noqa: E402
+from ingest.io.plots import Curve, Panel, save_panels  # noqa: E402
 from ingest.workers.config import EngineServerConfig  # noqa: E402
 from ingest.workers.engine_server import EngineServer  # noqa: E402
 
@@ -56,28 +57,17 @@ HEADER = (f"{'variant':<12} {'start':>6} {'end(5)':>9} {'0.5 at':>6} {'drop/st':
 
 
 def plot(curves: dict[str, list[StepRow]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for name, rows in curves.items():
-        line, = axes.plot([r.step for r in rows], [r.episode_reward for r in rows],
-                          label=f"{name}: episode reward")
+    lines = []
+    for i, (name, rows) in enumerate(curves.items()):
+        steps = [r.step for r in rows]
+        lines.append(Curve(f"{name}: episode reward", steps, [r.episode_reward for r in rows],
+                           color=f"C{i}"))
         if any(r.dropped for r in rows):
-            axes.plot([r.step for r in rows], [r.reward_unfiltered for r in rows],
-                      linestyle="--", color=line.get_color(),
-                      label=f"{name}: reward before the filter")
-    axes.set_xlabel("step")
-    axes.set_ylabel("reward")
-    axes.set_ylim(0, 1.05)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize=8)
-    axes.set_title("repeat the digit: tiny policy, same seed")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+            lines.append(Curve(f"{name}: reward before the filter", steps,
+                               [r.reward_unfiltered for r in rows], linestyle="--",
+                               color=f"C{i}"))
+    save_panels(path, [Panel("repeat the digit: tiny policy, same seed", "reward", lines,
+                             ylim=(0, 1.05), legend_loc="lower right")])
 
 
 def main() -> int:

@@ -276,7 +276,8 @@ def bench_replay(lake_root: str, run_id: str, out_root: str) -> float:
     """Seconds `rolloutlake replay` takes to re-derive the run into a fresh lake."""
     lake = Lake(lake_root)
     start = time.perf_counter()
-    write_effects(Lake(out_root), run_id, replay_run(lake, run_id, archived_config(lake, run_id)))
+    write_effects(Lake(out_root), run_id,
+                  replay_run(lake, run_id, archived_config(lake, run_id)).effects)
     return time.perf_counter() - start
 
 

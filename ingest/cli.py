@@ -24,7 +24,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ingest.commands.demo", "the whole RL loop: a tiny policy learns a task (--simulate: the simulated pipeline)"),
     "replay": ("ingest.commands.replay", "re-derive a run's decisions and batches from the events archive"),
     "audit": ("ingest.commands.audit", "lineage of a group, batch row or trainer step: events to trainer update"),
-    "whatif": ("ingest.commands.whatif", "diff a run replayed into another lake against the original"),
     "lake": ("ingest.commands.lake", "optimize or vacuum the lake, keeping what runs under retention need"),
     "gateway": ("gateway.main", "run the REST gateway (FastAPI)"),
     "up": ("gateway.up", "run the whole local stack: broker, processor, gateway"),

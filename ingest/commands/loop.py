@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.io.plots import Curve, Panel, save_panels
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from ingest.workers.config import EngineServerConfig
@@ -156,26 +157,12 @@ def format_row(row: StepRow) -> str:
 
 
 def plot_rewards(rows: list[StepRow], path: Path, title: str) -> Path:
-    import matplotlib  # only for the picture
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r.step for r in rows]
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(steps, [r.episode_reward for r in rows], label="episode reward", marker=".")
-    axes.plot(steps, [r.reward_unfiltered for r in rows], label="reward before the filter",
-              linestyle="--")
-    axes.set_xlabel("step")
-    axes.set_ylabel("reward")
-    axes.set_ylim(0, 1.05)
-    axes.set_title(title)
-    axes.legend(loc="lower right")
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save_panels(path, [Panel(title, "reward", [
+        Curve("episode reward", steps, [r.episode_reward for r in rows], marker="."),
+        Curve("reward before the filter", steps, [r.reward_unfiltered for r in rows],
+              linestyle="--"),
+    ], ylim=(0, 1.05), legend_loc="lower right")])
 
 
 def write_inputs(config: LoopConfig, out: Path) -> tuple[Path, Path, Path]:

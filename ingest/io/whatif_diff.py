@@ -1,5 +1,5 @@
 """The diff of a what-if: a run in its original lake against the same run re-derived into
-another lake (`replay --out`), as data, a terminal table, JSON and a PNG of the curves.
+another lake (`replay --into`), as data, a terminal table, JSON and a PNG of the curves.
 
 Groups whose decision, reason or batch step changed (with why), steps whose content hash
 changed or that exist on one side only, and every step metric with its delta.
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ingest.io.lake import Lake
-from ingest.io.png import line_panels
+from ingest.io.plots import Curve, Panel, save_panels
 from schemas.errors import RolloutlakeError
 
 # Shown in the terminal (all keys are in the JSON); also the default curves of the PNG.
@@ -151,6 +151,17 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _ranges(steps: list[int]) -> str:
+    """Sorted steps as `0-3, 7`."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def print_diff(diff: WhatIfDiff, console: Console, *, max_groups: int = 50) -> None:
     console.print(f"what-if of run {diff.run_id}: {len(diff.groups)} of "
                   f"{diff.groups_compared} groups changed decision, {len(diff.steps)} of "
@@ -165,6 +176,11 @@ def print_diff(diff: WhatIfDiff, console: Console, *, max_groups: int = 50) -> N
         console.print(table)
         if len(diff.groups) > max_groups:
             console.print(f"... and {len(diff.groups) - max_groups} more (--json has all)")
+    for side, missing in (("original", "what_if_sha256"), ("what-if", "original_sha256")):
+        only = [s.step for s in diff.steps if getattr(s, missing) is None]
+        if only:
+            console.print(f"steps sealed only in the {side}: {_ranges(only)} (a batch size "
+                          "changes how many steps the same events fill)")
     if diff.steps:
         table = Table(title="steps whose content changed")
         for column in ("step", "original rows", "what-if rows", "original sha256",
@@ -189,14 +205,19 @@ def print_diff(diff: WhatIfDiff, console: Console, *, max_groups: int = 50) -> N
     console.print(table)
 
 
-def plot_diff(diff: WhatIfDiff, path: Path, keys: tuple[str, ...] = HEADLINE_METRICS) -> None:
-    """A PNG with one panel per metric key (top to bottom in `keys` order), the original's
-    curve over steps in blue and the what-if's in orange."""
+def plot_diff(diff: WhatIfDiff, path: Path, keys: tuple[str, ...] = HEADLINE_METRICS,
+              *, title: str | None = None) -> Path:
+    """A PNG with one panel per metric key (left to right, two a row, in `keys` order): the
+    original's curve over steps and the what-if's, each panel on its own scale."""
     panels = []
     for key in keys:
         curves = []
-        for side in ("original", "what_if"):
-            curves.append([(step, getattr(m[key], side)) for step, m in diff.metrics.items()
-                           if key in m and getattr(m[key], side) is not None])
-        panels.append(curves)
-    path.write_bytes(line_panels(panels))
+        for side, label, style in (("original", "original", "-"),
+                                   ("what_if", "what-if", "--")):
+            points = [(step, getattr(m[key], side)) for step, m in diff.metrics.items()
+                      if key in m and getattr(m[key], side) is not None]
+            curves.append(Curve(label, [s for s, _ in points], [v for _, v in points],
+                                linestyle=style, marker="."))
+        panels.append(Panel(key, key.removeprefix("rollout/"), curves))
+    return save_panels(path, panels, columns=2, panel_size=(6, 3.5),
+                       title=title or f"run {diff.run_id}: original vs what-if")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pyarrow.compute as pc
 import pytest
 
 from ingest.cli import COMMANDS
@@ -157,7 +159,6 @@ LAKE_COMMANDS = [
     ["replay", "--lake", "{lake}", "--run", "r1"],
     ["audit", "--lake", "{lake}", "--run", "r1", "--group", "0"],
     ["lake", "vacuum", "--lake", "{lake}"],
-    ["whatif", "--lake", "{lake}", "--what-if", "{lake}", "--run", "r1"],
 ]
 
 
@@ -212,16 +213,22 @@ def simulated_lake(broker, tmp_path_factory) -> str:
 
 
 def test_replay_reproduces_the_original_batches(simulated_lake, tmp_path):
-    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--out",
+    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--into",
                  str(tmp_path / "replayed"), "--check")
     assert result.returncode == 0, result.stderr
     assert "every step hash, decision and metric equals the original (3 steps)" in result.stdout
+    lake = Lake(simulated_lake)
+    events = lake.read("events", filter=(pc.field("run_id") == "cli-run")
+                       & (pc.field("type") != "run_started")).num_rows
+    groups = lake.read("groups", filter=pc.field("run_id") == "cli-run").num_rows
+    assert re.search(rf"re-derived {groups} groups from {events} events in [0-9.]+ s "
+                     r"\([0-9,]+ events/s\) into ", result.stdout), result.stdout
 
 
 def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_path):
     out = tmp_path / "nofilter"
-    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--filter", "none",
-                 "--out", str(out))
+    result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--config",
+                 "filter=none", "--into", str(out))
     assert result.returncode == 0, result.stderr
     groups = Lake(str(out)).read("groups").to_pylist()
     assert not any((g["reason"] or "").startswith("zero_std") for g in groups)
@@ -231,12 +238,15 @@ def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_p
 
 def test_replay_errors_are_one_line(simulated_lake, tmp_path):
     assert "has no events" in one_line_error(
-        cli("replay", "--lake", simulated_lake, "--run", "nope", "--config",
+        cli("replay", "--lake", simulated_lake, "--run", "nope", "--config-file",
             str(_config_file(tmp_path))))
     line = one_line_error(cli("replay", "--lake", simulated_lake, "--run", "cli-run",
-                              "--filter", "no.such.fn"))
+                              "--config", "filter=no.such.fn"))
     assert line == ("rolloutlake replay: filter path 'no.such.fn': cannot import module "
                     "'no.such': No module named 'no'")
+    line = one_line_error(cli("replay", "--lake", simulated_lake, "--run", "cli-run",
+                              "--config", "batch=3"))
+    assert line.startswith("rolloutlake replay: --config 'batch=3': unknown key 'batch'")
 
 
 def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
@@ -248,7 +258,7 @@ def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
     assert "every step hash, decision and metric equals the original (3 steps)" in result.stdout
     assert list(scratch.iterdir()) == []
     # An error after the temporary lake exists (the run has no events).
-    one_line_error(cli("replay", "--lake", simulated_lake, "--run", "nope", "--config",
+    one_line_error(cli("replay", "--lake", simulated_lake, "--run", "nope", "--config-file",
                        str(_config_file(tmp_path)), env=env))
     assert list(scratch.iterdir()) == []
 
@@ -262,7 +272,7 @@ def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path)
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path)}
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", simulated_lake, "--run",
-         "cli-run", "--filter", "blocking_filter.keep"],
+         "cli-run", "--config", "filter=blocking_filter.keep"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not list(scratch.glob("replay-cli-run-*")) and time.monotonic() < deadline:

@@ -102,7 +102,7 @@ def test_list_compact_and_mixed_streams_give_identical_tables_and_replay(broker,
         for name, table in expected.items():
             assert got[name] == table, (run_id, name)
     # the archive of `mixed` holds both forms; replaying it rebuilds the same batches
-    effects = replay_run(lake, "mixed", archived_config(lake, "mixed"))
+    effects = replay_run(lake, "mixed", archived_config(lake, "mixed")).effects
     replayed = {s.step: s.content_sha256 for e in effects for s in e.sealed}
     assert replayed == {r["step"]: r["content_sha256"] for r in expected["steps"]}
     replayed_rows = [s.rows for e in effects for s in e.sealed]

@@ -175,6 +175,6 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
 
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", chaos_lake, "--run",
-         SIM.run_id, "--out", str(tmp_path / "replayed"), "--check"],
+         SIM.run_id, "--into", str(tmp_path / "replayed"), "--check"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -107,7 +107,7 @@ def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_ag
     for lake in (live, backlog):
         result = subprocess.run(
             [sys.executable, "-m", "ingest.cli", "replay", "--lake", lake, "--run", SIM.run_id,
-             "--out", str(tmp_path / f"replayed-{os.path.basename(lake)}"), "--check"],
+             "--into", str(tmp_path / f"replayed-{os.path.basename(lake)}"), "--check"],
             capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 
@@ -140,7 +140,7 @@ def test_groups_complete_before_their_run_started_take_their_completion_order(ka
         0: ("surplus", None), 1: ("kept", 0)}
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", lake_root, "--run", run,
-         "--out", str(tmp_path / "replayed"), "--check"],
+         "--into", str(tmp_path / "replayed"), "--check"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
 

@@ -74,7 +74,8 @@ def test_replay_check_passes_on_a_four_partition_lake_and_fails_under_another_ba
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "every step hash, decision and metric equals the original" in result.stdout
 
-    other = _replay(four_partition_lake, "--rollout-batch-size", str(SIM.rollout_batch_size + 1))
+    other = _replay(four_partition_lake, "--config",
+                    f"rollout_batch_size={SIM.rollout_batch_size + 1}")
     assert other.returncode == 1, other.stdout[-3000:] + other.stderr[-3000:]
     assert "check: steps differ from the original" in other.stdout
     assert "check: groups differ from the original" in other.stdout
