@@ -3,9 +3,13 @@
 # `make test-gpu`. SGLang serves on CUDA only, so on a machine without a CUDA GPU this stops
 # at once, with one line, before it installs anything.
 #
-# pip resolves the torch that this SGLang pins; PyPI's Linux torch wheels are CUDA builds,
-# so nothing else is needed for the GPU. A venv of its own, as for vLLM: SGLang pins its
-# torch, transformers and fastapi, which the gateway and the trainer must not inherit.
+# As SGLang's install guide does it (docs.sglang.io/docs/get-started/install): uv, with
+# --prerelease=allow, because some of SGLang's dependencies publish only pre-releases on
+# PyPI (pip, or an older uv without the flag, does not resolve them), and the torch that
+# this SGLang pins, a CUDA 13 build from PyPI (SGLang 0.5.19 was its last CUDA 12 release),
+# so the driver must support CUDA 13 ("CUDA Version" in nvidia-smi). A venv of its own,
+# as for vLLM: SGLang pins a torch and libraries of its own, which the gateway and the
+# trainer must not inherit.
 #
 # Usage: deploy/engine/install-sglang.sh [VENV]. Idempotent: a stamp file records the
 # SGLang requirement it installed; rerunning then only checks the GPU.
@@ -19,14 +23,14 @@ case "$gpus" in
 esac
 VENV=${1:-.venv-sglang}
 PYTHON=${PYTHON:-python3}
-SGLANG='sglang[all]==0.5.23'
+SGLANG='sglang==0.5.23'
 STAMP="$VENV/.sglang-installed"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$SGLANG" ]; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q "$SGLANG"
+"$VENV/bin/pip" install -q --upgrade pip uv
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --prerelease=allow "$SGLANG"
 "$VENV/bin/python" -c "import sglang, torch; assert torch.cuda.is_available(), \
-'torch ' + torch.__version__ + ' in $VENV sees no CUDA device'"
+'torch ' + torch.__version__ + ' in $VENV sees no CUDA device: is the driver new enough for CUDA ' + str(torch.version.cuda) + '?'"
 echo "$SGLANG" > "$STAMP"
