@@ -1,17 +1,20 @@
 # rolloutlake: `make demo` runs the whole RL loop (a tiny policy learns on the vLLM CPU engine),
-# `make demo-simulate` the simulated pipeline, `make test` the tests.
+# `make demo-simulate` the simulated pipeline, `make test` the tests, `make test-gpu` the
+# engine tests on SGLang (a CUDA GPU machine only).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 ENGINE_VENV ?= .venv-engine
+# Where the engine tests look for SGLang (`rolloutlake engine --sglang-venv`'s default).
+SGLANG_VENV := .venv-sglang
 export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install kafka-jars engine demo demo-simulate test test-fast lint bench clean
+.PHONY: install kafka-jars engine demo demo-simulate test test-gpu test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -42,6 +45,16 @@ test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m pytest -q
+
+# The whole loop and the worker's engine tests on a real SGLang server. The install script
+# comes first: without a CUDA GPU it stops at once with one line, before anything installs.
+# Every engine, worker and trainer log stays under artifacts/test-gpu/ (pytest's basetemp).
+test-gpu:
+	@sh deploy/engine/install-sglang.sh $(SGLANG_VENV)
+	$(MAKE) install
+	ROLLOUTLAKE_TEST_ENGINE=sglang ROLLOUTLAKE_TEST_BROKERS=tansu \
+		$(PY) -m pytest -q --basetemp=artifacts/test-gpu \
+		tests/integration/test_loop.py tests/integration/test_engine_worker.py
 
 test-fast: install
 	$(PY) -m pytest -q tests/unit

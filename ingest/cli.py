@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.main", "train on sealed batches with DeepSpeed"),
     "wandb-sync": ("ingest.commands.wandb_sync", "log a run's step metrics to Weights & Biases"),
     "watch": ("ingest.commands.watch", "live terminal table of a run's steps"),
-    "engine": ("ingest.workers.engine_server", "run vLLM's CPU engine on loopback (tiny policy or a model folder)"),
+    "engine": ("ingest.workers.engine_server", "run an inference engine on loopback: vLLM's CPU build or SGLang (CUDA)"),
     "worker": ("ingest.workers.main", "generate rollouts on engines, score them and publish events"),
 }
 

@@ -18,10 +18,13 @@ from schemas.events import RunId
 
 
 class EngineServerConfig(BaseModel):
-    """One vLLM CPU engine on loopback."""
+    """One inference engine on loopback: vLLM's CPU build, or SGLang on a CUDA GPU."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    backend: EngineKind = "vllm"
+    """The engine: `vllm` (its CPU build, from `--venv`) or `sglang` (CUDA only, from
+    `--sglang-venv`)."""
     model: str = "tiny"
     """Local Hugging Face model folder, or `tiny`: the tiny policy, written to `--tiny-dir`
     on first use."""
@@ -31,11 +34,16 @@ class EngineServerConfig(BaseModel):
     """Where `--model tiny` keeps the tiny policy (weights and tokenizer); an existing one
     is reused, so the trainer can load the same folder."""
     venv: Path = Path(".venv-engine")
-    """The engine's own virtual environment (`make engine` installs it)."""
+    """vLLM's own virtual environment (`make engine` installs it)."""
+    sglang_venv: Path = Path(".venv-sglang")
+    """SGLang's own virtual environment (`deploy/engine/install-sglang.sh` installs it)."""
     max_model_len: int = Field(default=512, ge=16)
     """Longest prompt + response, in tokens."""
     kv_cache_gib: int = Field(default=1, ge=1)
-    """KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+    """vLLM's KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`)."""
+    mem_fraction_static: float = Field(default=0.2, gt=0, lt=1)
+    """SGLang's share of the GPU's memory for weights and KV cache
+    (`--mem-fraction-static`); small, so the GPU stays usable beside it."""
     ready_timeout_s: float = Field(default=600.0, gt=0)
     """Give up when `/health` does not answer within this many seconds."""
     log_file: Path | None = None

@@ -1,8 +1,11 @@
-"""`rolloutlake engine`: vLLM's CPU build on loopback, from its own venv, tied to this process.
+"""`rolloutlake engine`: an inference engine on loopback, from its own venv, tied to this process.
 
-The engine runs under `engine_guard.py`, which ends the engine's whole process tree when
-this process goes away, however it goes (also after a kill -9). Weight reloads need
-vLLM's dev routes (`/pause`, `/collective_rpc`, `/resume`), so `VLLM_SERVER_DEV_MODE=1`.
+`--backend vllm` (the default) runs vLLM's CPU build; `--backend sglang` runs SGLang, which
+needs a CUDA GPU. The engine runs under `engine_guard.py`, which ends the engine's whole
+process tree when this process goes away, however it goes (also after a kill -9). Weight
+reloads need vLLM's dev routes (`/pause`, `/collective_rpc`, `/resume`), so
+`VLLM_SERVER_DEV_MODE=1`; SGLang serves its weight routes (`/update_weights_from_disk`)
+without a switch.
 """
 
 from __future__ import annotations
@@ -29,14 +32,18 @@ HOST = "127.0.0.1"
 GUARD = Path(__file__).with_name("engine_guard.py")
 
 
-def engine_python(venv: Path) -> Path:
+def engine_python(config: EngineServerConfig) -> Path:
+    venv = config.sglang_venv if config.backend == "sglang" else config.venv
     python = venv.absolute() / "bin" / "python"  # not resolve(): the venv is the symlink
-    if not python.is_file():
-        raise EngineError(
-            f"no inference engine venv at {venv}: install it with `make engine` "
-            f"(or `sh deploy/engine/install.sh {venv}`)"
-        )
-    return python
+    if python.is_file():
+        return python
+    if config.backend == "sglang":
+        raise EngineError(f"no SGLang venv at {venv}: install it on a CUDA machine with "
+                          f"`sh deploy/engine/install-sglang.sh {venv}` (or `make test-gpu`)")
+    raise EngineError(
+        f"no inference engine venv at {venv}: install it with `make engine` "
+        f"(or `sh deploy/engine/install.sh {venv}`)"
+    )
 
 
 def model_folder(config: EngineServerConfig) -> Path:
@@ -48,7 +55,7 @@ def model_folder(config: EngineServerConfig) -> Path:
 
 
 class EngineServer:
-    """A vLLM CPU engine process; a context manager that waits until `/health` answers."""
+    """An engine process; a context manager that waits until `/health` answers."""
 
     def __init__(self, config: EngineServerConfig):
         self.config = config
@@ -62,23 +69,44 @@ class EngineServer:
         return f"http://{HOST}:{self.config.port}"
 
     def command(self, python: Path, model_dir: Path) -> list[str]:
-        return [
-            str(python), str(GUARD), "--",
-            str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--skip-tokenizer-init", "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", str(self.config.max_model_len),
-            "--host", HOST, "--port", str(self.config.port),
-        ]
+        return [str(python), str(GUARD), "--", str(python), *self._engine_args(model_dir)]
+
+    def _engine_args(self, model_dir: Path) -> list[str]:
+        # float32 on both engines: the tests check the engine's log-probs against the same
+        # weights in float32 torch within 2e-3, which bfloat16's 8-bit mantissa misses; a
+        # tiny policy costs no memory either way.
+        if self.config.backend == "vllm":
+            return ["-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(model_dir), "--skip-tokenizer-init", "--enforce-eager",
+                    "--dtype", "float32", "--max-model-len", str(self.config.max_model_len),
+                    "--host", HOST, "--port", str(self.config.port)]
+        # Flags as SGLang documents them (docs.sglang.io/advanced_features/server_arguments,
+        # `python -m sglang.launch_server --help`; sgl-project/sglang
+        # docs/backend/server_arguments.md): --skip-tokenizer-init, so /generate takes and
+        # returns token ids; --context-length caps prompt + response as vLLM's
+        # --max-model-len does. FlashInfer, SGLang's default attention and sampling on CUDA,
+        # has no float32 kernels, so attention is `torch_native` (PyTorch operations only,
+        # sgl-project/sglang#2241) and sampling `pytorch`, the pair SGLang's own tests pass
+        # as `--attention-backend torch_native --sampling-backend pytorch`; CUDA graphs are
+        # off as vLLM's are (--enforce-eager): a quicker start for a policy this small.
+        return ["-m", "sglang.launch_server",
+                "--model-path", str(model_dir), "--skip-tokenizer-init",
+                "--dtype", "float32", "--context-length", str(self.config.max_model_len),
+                "--mem-fraction-static", str(self.config.mem_fraction_static),
+                "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                "--disable-cuda-graph", "--host", HOST, "--port", str(self.config.port)]
 
     def start(self) -> EngineServer:
-        python = engine_python(self.config.venv)
+        python = engine_python(self.config)
         if not port_is_free(HOST, self.config.port):
             raise EngineError(
                 f"port {self.config.port} on {HOST} is already in use; pick another with --port"
             )
         self.model_dir = model_folder(self.config)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
-               "VLLM_SERVER_DEV_MODE": "1"}
+        env = dict(os.environ)
+        if self.config.backend == "vllm":
+            env |= {"VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+                    "VLLM_SERVER_DEV_MODE": "1"}
         if self.config.log_file is not None:
             self.config.log_file.parent.mkdir(parents=True, exist_ok=True)
             self._log = self.config.log_file.open("ab")

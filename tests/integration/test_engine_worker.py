@@ -1,10 +1,11 @@
-"""The vLLM CPU engine and the rollout worker, for real.
+"""The inference engine and the rollout worker, for real.
 
-One `rolloutlake engine` on the tiny policy serves this module: the adapter's tokens and
-log-probs are checked against the same weights run by Hugging Face in torch, a weight
-reload must change what the engine computes, and the worker's samples must reach
-`training_batches` through the real broker, processor and Delta. The last test kills
-the engine command with SIGKILL in the middle of a worker run.
+The engine is vLLM's CPU build, or SGLang with `ROLLOUTLAKE_TEST_ENGINE=sglang`
+(`make test-gpu`). One `rolloutlake engine` on the tiny policy serves this module: the
+adapter's tokens and log-probs are checked against the same weights run by Hugging Face
+in torch, a weight reload must change what the engine computes, and the worker's samples
+must reach `training_batches` through the real broker, processor and Delta. The last
+test kills the engine command with SIGKILL in the middle of a worker run.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ingest.io.broker import free_port
-from ingest.workers.engines import Generation, Sampling, VLLMEngine
+from ingest.workers.engines import Generation, Sampling, make_engine
 from schemas.control import WeightsUpdated
 from schemas.events import parse_event
 from tests.integration.pipeline import by_group, rows, run_processor
+from tests.support.engine_under_test import engine_flags, engine_under_test
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
@@ -38,6 +40,7 @@ CLI = [sys.executable, "-m", "ingest.cli"]
 VOCAB = 64
 PROMPT = "12+34="
 REWARD_PATH = "tests.support.user_rewards.digit_share_or_raise"
+ENGINE = engine_under_test()
 
 
 @dataclass
@@ -55,7 +58,7 @@ def engine(tmp_path_factory):
     log_file = root / "engine.log"
     process = subprocess.Popen(
         [*CLI, "engine", "--port", str(port), "--tiny-dir", str(root / "tiny"),
-         "--venv", str(ROOT / ".venv-engine"), "--log-file", str(log_file)],
+         *engine_flags(ENGINE), "--log-file", str(log_file)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready = process.stdout.readline()  # the command prints one line once /health answers
     if "engine ready" not in ready:
@@ -74,7 +77,7 @@ def tokenizer(engine):
 
 def generate(url: str, prompt: list[int], sampling: Sampling, request_id: str) -> Generation:
     async def once() -> Generation:
-        client = VLLMEngine(url)
+        client = make_engine(ENGINE, url)
         try:
             return await client.generate(prompt, sampling, request_id)
         finally:
@@ -84,7 +87,7 @@ def generate(url: str, prompt: list[int], sampling: Sampling, request_id: str) -
 
 def reload(url: str, path: Path, version: int) -> None:
     async def once() -> None:
-        client = VLLMEngine(url)
+        client = make_engine(ENGINE, url)
         try:
             await client.reload_weights(str(path), version)
         finally:
@@ -143,7 +146,7 @@ def worker_command(engine: RunningEngine, kafka, run_id: str, dataset: Path,
                    *extra: str) -> list[str]:
     return [*CLI, "worker", "--run", run_id, "--prompt-data", str(dataset),
             "--label-key", "label", "--tokenizer", str(engine.tiny_dir),
-            "--custom-rm-path", REWARD_PATH, "--engine-url", engine.url,
+            "--custom-rm-path", REWARD_PATH, "--engine", ENGINE, "--engine-url", engine.url,
             "--bootstrap-servers", kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix,
             *extra]
 

@@ -1,9 +1,10 @@
-"""The whole RL loop for a few steps: worker, real vLLM engine, broker, processor, Delta,
+"""The whole RL loop for a few steps: worker, real engine, broker, processor, Delta,
 DeepSpeed trainer, weights back to the engine.
 
-One engine serves the module; each run loads its own initial policy into it. What the
-loop did is read back from the lake and the trainer's weight folders, and the engine's
-log-probs are recomputed in torch from those folders.
+The engine is vLLM's CPU build, or SGLang with `ROLLOUTLAKE_TEST_ENGINE=sglang`
+(`make test-gpu`). One engine serves the module; each run loads its own initial policy
+into it. What the loop did is read back from the lake and the trainer's weight folders,
+and the engine's log-probs are recomputed in torch from those folders.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from ingest.io.broker import free_port
 from ingest.workers.config import EngineServerConfig
 from ingest.workers.engine_server import EngineServer
 from tests.integration.pipeline import rows
+from tests.support.engine_under_test import engine_under_test
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.one_broker("the loop's parts; their broker path is the SDK's")]
 
 STEPS = 3
+ENGINE = engine_under_test()
 
 
 @pytest.fixture(scope="module")
 def engine_url(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    with EngineServer(EngineServerConfig(port=free_port(), tiny_dir=root / "tiny",
+    with EngineServer(EngineServerConfig(backend=ENGINE, port=free_port(),
+                                         tiny_dir=root / "tiny",
                                          log_file=root / "engine.log")) as server:
         yield server.url
 
@@ -47,8 +51,9 @@ def test_weights_flow_through_the_whole_loop_and_no_stale_sample_is_trained(
     out = tmp_path / "loop"
     result = run_loop(LoopConfig(
         steps=STEPS, groups=3, n_samples=4, max_new_tokens=6, zero_stage=zero_stage,
-        out=out, engine_url=engine_url, bootstrap_servers=kafka.bootstrap_servers,
-        topic_prefix=kafka.topic_prefix, step_timeout_s=300))
+        out=out, engine=ENGINE, engine_url=engine_url,
+        bootstrap_servers=kafka.bootstrap_servers, topic_prefix=kafka.topic_prefix,
+        step_timeout_s=300))
     assert [r.step for r in result.rows] == list(range(STEPS))
 
     trained = sorted(rows(out / "lake", "trainer_steps", RUN_ID), key=lambda r: r["step"])

@@ -40,6 +40,15 @@ def test_engine_without_its_venv_names_the_install_command(tmp_path):
                     f"{tmp_path / 'missing'}`)")
 
 
+def test_sglang_engine_without_its_venv_names_the_install_script(tmp_path):
+    missing = tmp_path / "no-sglang"
+    line = refused("engine", "--backend", "sglang", "--sglang-venv", str(missing),
+                   "--port", str(free_port()))
+    assert line == (f"rolloutlake engine: no SGLang venv at {missing}: install it on a CUDA "
+                    f"machine with `sh deploy/engine/install-sglang.sh {missing}` "
+                    "(or `make test-gpu`)")
+
+
 def test_engine_on_a_taken_port_says_so():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
