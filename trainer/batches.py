@@ -10,7 +10,10 @@ or token, so a 4M-token step converts in well under a second.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -57,10 +60,16 @@ class StepFollower:
             )
         return StepRow.from_row(rows[0]) if rows else None
 
-    def wait_for(self, step: int | None, *, idle_timeout_s: float | None) -> StepRow | None:
+    def wait_for(
+        self,
+        step: int | None,
+        *,
+        idle_timeout_s: float | None,
+        stop: threading.Event | None = None,
+    ) -> StepRow | None:
         """Block until `step` (or, when None, the lowest step of the run) is sealed.
 
-        Returns None once `idle_timeout_s` passed without it.
+        Returns None once `idle_timeout_s` passed without it, or once `stop` is set.
         """
         deadline = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
         waiting_logged = False
@@ -78,7 +87,10 @@ class StepFollower:
             if not waiting_logged:
                 log.info("waiting for run %s step %s to be sealed", self.run_id, step)
                 waiting_logged = True
-            time.sleep(self.poll_interval_s)
+            if stop is None:
+                time.sleep(self.poll_interval_s)
+            elif stop.wait(self.poll_interval_s):
+                return None
 
 
 def read_run_step(
@@ -292,6 +304,87 @@ def load_step(lake: Lake, sealed: StepRow) -> StepBatch:
                 f"table recorded {sealed.content_sha256}; the batch was changed after sealing"
             )
     return batch
+
+
+class StepPrefetcher:
+    """Sealed steps in order, each read, verified and tensorised in a background thread
+    while the caller trains on the previous one.
+
+    Only one step is loaded ahead: the thread starts on step s+1 once `next` handed out
+    step s, so host memory holds at most two steps' tensors. A failure of the background read (a verification error above all) is raised by the
+    `next` call that asks for that step, i.e. after the steps before it were trained, as
+    without prefetching. Use as a context manager: leaving it stops the thread.
+    """
+
+    def __init__(
+        self,
+        follower: StepFollower,
+        first_step: int | None,
+        *,
+        load: Callable[[Lake, StepRow], StepBatch] = load_step,
+    ):
+        self.follower = follower
+        self.load = load
+        self._ready: queue.Queue[tuple[StepRow, StepBatch] | Exception] = queue.Queue(maxsize=1)
+        self._room = threading.Semaphore(1)  # taken by the step being loaded ahead
+        self._stop = threading.Event()
+        # Steps found sealed by the thread and steps handed out: while a found step is
+        # still loading, `next` waits for it even past the idle timeout, which only
+        # counts time in which no step was sealed.
+        self._found = 0
+        self._handed = 0
+        self._thread = threading.Thread(
+            target=self._prefetch, args=(first_step,), name="step-prefetch", daemon=True
+        )
+
+    def __enter__(self) -> StepPrefetcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def next(self, *, idle_timeout_s: float | None) -> tuple[StepRow, StepBatch] | None:
+        """The next sealed step and its tensors; None once `idle_timeout_s` passed without
+        a step being sealed."""
+        try:
+            item = self._ready.get(timeout=idle_timeout_s)
+        except queue.Empty:
+            if self._found == self._handed:
+                return None
+            item = self._ready.get()
+        self._handed += 1
+        self._room.release()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _prefetch(self, step: int | None) -> None:
+        while self._wait_for_room():
+            sealed = None
+            item: tuple[StepRow, StepBatch] | Exception
+            try:
+                sealed = self.follower.wait_for(step, idle_timeout_s=None, stop=self._stop)
+                if sealed is None:
+                    return
+                self._found += 1
+                item = (sealed, self.load(self.follower.lake, sealed))
+                step = sealed.step + 1
+            except Exception as exc:  # raised in the training loop by `next`
+                if sealed is None:
+                    self._found += 1
+                item = exc
+            self._ready.put(item)  # never blocks: the room was taken first
+            if isinstance(item, Exception):
+                return
+
+    def _wait_for_room(self) -> bool:
+        """Block until the previous step was handed out; False if stopped first."""
+        while not self._stop.is_set():
+            if self._room.acquire(timeout=self.follower.poll_interval_s):
+                return True
+        return False
 
 
 def plan_micro_batches(

@@ -28,7 +28,8 @@ from schemas.errors import ConfigError
 from trainer.batches import (
     StepBatch,
     StepFollower,
-    load_step,
+    StepPrefetcher,
+    StepRow,
     plan_micro_batches,
 )
 from trainer.config import TrainerConfig
@@ -185,52 +186,53 @@ class Trainer:
     def run(self) -> int:
         """Train until `steps` updates exist or the run goes idle; returns steps trained now."""
         trained_now = 0
-        step = self.next_step
-        while self.config.steps is None or self.trained_steps < self.config.steps:
-            sealed = self.follower.wait_for(step, idle_timeout_s=self.config.until_idle_s)
-            if sealed is None:
-                log.info("no sealed step %s after %ss; stopping", step, self.config.until_idle_s)
-                break
-            started = time.monotonic()
-            batch = load_step(self.lake, sealed)
-            read_seconds = time.monotonic() - started
-            log.info(
-                "step %d: training %d rows, %d rollouts (batch version %d, read in %.2fs)",
-                sealed.step,
-                batch.num_rows,
-                batch.n_rollouts,
-                sealed.batch_version,
-                read_seconds,
-            )
-            started = time.monotonic()
-            stats = self.train_step(batch)
-            self.trained_steps += 1
-            row = {
-                "run_id": self.config.run_id,
-                "step": sealed.step,
-                "batch_version": sealed.batch_version,
-                "content_sha256": sealed.content_sha256,
-                **stats,
-                "tokens": int(batch.total_lengths.sum()),
-                "loss_tokens": int(batch.loss_mask.sum()),
-                "seconds": time.monotonic() - started,
-                "update": self.trained_steps,
-                "trained_at": time.time(),
-            }
-            self.engine.save_checkpoint(
-                str(self.config.checkpoint_dir),
-                tag=f"step_{sealed.step:09d}",
-                client_state={"trainer_row": row, "trained_steps": self.trained_steps},
-            )
-            self._finish_step(row)
-            log.info(
-                "step %d: loss %.6f, grad norm %.4f", sealed.step, row["loss"], row["grad_norm"]
-            )
-            trained_now += 1
-            step = sealed.step + 1
+        with StepPrefetcher(self.follower, self.next_step) as prefetched:
+            while self.config.steps is None or self.trained_steps < self.config.steps:
+                started = time.monotonic()
+                loaded = prefetched.next(idle_timeout_s=self.config.until_idle_s)
+                if loaded is None:
+                    log.info("no sealed step after %ss; stopping", self.config.until_idle_s)
+                    break
+                sealed, batch = loaded
+                log.info(
+                    "step %d: training %d rows, %d rollouts (batch version %d, waited %.2fs "
+                    "for its tensors)",
+                    sealed.step,
+                    batch.num_rows,
+                    batch.n_rollouts,
+                    sealed.batch_version,
+                    time.monotonic() - started,
+                )
+                self._train_sealed(sealed, batch)
+                trained_now += 1
         if self.sink is not None:
             self.sink.close()
         return trained_now
+
+    def _train_sealed(self, sealed: StepRow, batch: StepBatch) -> None:
+        """Train one step, checkpoint it, then record its outputs (the order resume needs)."""
+        started = time.monotonic()
+        stats = self.train_step(batch)
+        self.trained_steps += 1
+        row = {
+            "run_id": self.config.run_id,
+            "step": sealed.step,
+            "batch_version": sealed.batch_version,
+            "content_sha256": sealed.content_sha256,
+            **stats,
+            "tokens": int(batch.total_lengths.sum()),
+            "loss_tokens": int(batch.loss_mask.sum()),
+            "seconds": time.monotonic() - started,
+            "update": self.trained_steps,
+            "trained_at": time.time(),
+        }
+        self.engine.save_checkpoint(
+            str(self.config.checkpoint_dir),
+            tag=f"step_{sealed.step:09d}",
+            client_state={"trainer_row": row, "trained_steps": self.trained_steps},
+        )
+        self._finish_step(row)
+        log.info("step %d: loss %.6f, grad norm %.4f", sealed.step, row["loss"], row["grad_norm"])
 
     def _finish_step(self, row: dict[str, Any]) -> None:
         """Outputs of a checkpointed step; safe to repeat after a restart."""

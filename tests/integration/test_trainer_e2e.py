@@ -168,3 +168,19 @@ def test_missing_batch_file_stops_the_trainer_with_one_line(tmp_path):
     assert len(errors) == 1
     assert f"run {RUN} step 1" in errors[0] and "missing" in errors[0]
     assert lake.read("trainer_steps").num_rows == 0
+
+
+def test_changed_next_step_stops_the_trainer_after_the_step_before_it(tmp_path):
+    """Step 2 is read while step 1 trains; its failed verification still ends the run with
+    step 2's one-line error, after step 1 was trained and recorded."""
+    lake = Lake(tmp_path / "lake")
+    seal_step(lake, random_step(RUN, 1, seed=7))
+    seal_step(lake, random_step(RUN, 2, seed=7), sha256="0" * 64)
+    process = start_trainer(tmp_path, 0)
+    assert process.wait(timeout=START_TIMEOUT_S) == 2
+    output = (tmp_path / "trainer.log").read_text()
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
+    assert len(errors) == 1
+    assert f"run {RUN} step 2" in errors[0] and "changed after sealing" in errors[0]
+    assert [row["step"] for row in trainer_rows(lake)] == [1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow.compute as pc
 import pytest
@@ -13,6 +15,7 @@ from schemas.tables import TRAINING_BATCHES, content_sha256
 from tests.support.trainer_fixtures import batch_rows, random_step, seal_step
 from trainer.batches import (
     StepFollower,
+    StepPrefetcher,
     load_step,
     plan_micro_batches,
     read_sealed_rows,
@@ -193,3 +196,56 @@ def test_missing_batch_file_is_a_verification_error(lake, tmp_path):
     message = str(info.value)
     assert "run r1 step 3" in message and "missing" in message
     assert removed[0].name in message and "\n" not in message
+
+
+def test_prefetcher_loads_the_next_step_while_the_caller_trains_on_the_current_one(lake):
+    for step in (1, 2, 3):
+        seal_step(lake, random_step("r1", step, seed=step))
+    loaded = {step: threading.Event() for step in (1, 2, 3)}
+    requested = [1]  # steps the training loop has asked for so far
+    load_starts = []
+
+    def recording_load(lake, sealed):
+        load_starts.append((sealed.step, len(requested)))
+        batch = load_step(lake, sealed)
+        loaded[sealed.step].set()
+        return batch
+
+    follower = StepFollower(lake, "r1", poll_interval_s=0.01)
+    with StepPrefetcher(follower, None, load=recording_load) as prefetched:
+        handed = []
+        for step in (1, 2, 3):
+            sealed, batch = prefetched.next(idle_timeout_s=30)
+            handed.append(sealed.step)
+            expected = load_step(lake, _sealed(lake, sealed.step))
+            assert torch.equal(batch.tokens, expected.tokens)
+            if step < 3:
+                # "Training" step s: step s+1 gets loaded meanwhile, before the loop asks.
+                assert loaded[step + 1].wait(timeout=30)
+                requested.append(step + 1)
+        assert prefetched.next(idle_timeout_s=0.05) is None
+    assert handed == [1, 2, 3]
+    # One step ahead, no more: step s+1 starts loading once step s was handed out.
+    assert load_starts == [(1, 1), (2, 1), (3, 2)]
+
+
+def test_prefetched_verification_failure_stops_with_the_error_of_that_step(lake):
+    seal_step(lake, random_step("r1", 1))
+    seal_step(lake, random_step("r1", 2), sha256="0" * 64)
+    with pytest.raises(BatchVerificationError) as direct:
+        load_step(lake, _sealed(lake, 2))
+    follower = StepFollower(lake, "r1", poll_interval_s=0.01)
+    with StepPrefetcher(follower, 1) as prefetched:
+        sealed, _ = prefetched.next(idle_timeout_s=30)
+        assert sealed.step == 1
+        with pytest.raises(BatchVerificationError) as prefetched_error:
+            prefetched.next(idle_timeout_s=30)
+    assert str(prefetched_error.value) == str(direct.value)
+    assert "run r1 step 2" in str(direct.value)
+
+
+def test_leaving_the_prefetcher_stops_its_thread_while_it_waits_for_a_step(lake):
+    follower = StepFollower(lake, "r1", poll_interval_s=0.01)
+    with StepPrefetcher(follower, 7) as prefetched:
+        assert prefetched.next(idle_timeout_s=0.05) is None
+    assert "step-prefetch" not in [thread.name for thread in threading.enumerate()]
