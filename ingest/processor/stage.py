@@ -13,14 +13,14 @@ from typing import Any
 
 import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import InvalidSessionTimeoutError, KafkaTimeoutError
 
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
 from ingest.processor.health import StageHealth, broker_reachable, topic_id
 from ingest.processor.run_configs import RunConfigs
-from schemas.errors import RolloutlakeError
+from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 10.0
@@ -97,7 +97,13 @@ class Stage(ConsumerRebalanceListener):
     def poll_once(self) -> int:
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
-        polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        try:
+            polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+        except InvalidSessionTimeoutError:
+            raise ConfigError(
+                f"--session-timeout-ms: the broker refuses {self.config.session_timeout_ms} ms "
+                "(outside its group.min.session.timeout.ms..group.max.session.timeout.ms; "
+                "Apache Kafka's minimum is 6000 by default)") from None
         self.working = bool(polled)
         now = time.monotonic()
         self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)

@@ -299,3 +299,18 @@ def test_audit_shows_events_and_decision(simulated_lake):
     missing = one_line_error(cli("audit", "--lake", simulated_lake, "--run", "cli-run",
                                  "--group", "99999"))
     assert "no archived events" in missing
+
+
+def test_a_session_timeout_the_broker_refuses_is_one_line(broker, tmp_path):
+    """Apache Kafka refuses a session timeout under group.min.session.timeout.ms (6000 by
+    default); Tansu takes any, and the processor runs."""
+    result = cli("process", "--lake", str(tmp_path / "lake"), "--bootstrap-servers",
+                 broker.bootstrap_servers, "--topic-prefix", f"st{os.getpid()}.",
+                 "--session-timeout-ms", "2000", "--until-idle-s", "2")
+    if broker.engine == "kafka":
+        assert one_line_error(result) == (
+            "rolloutlake process: --session-timeout-ms: the broker refuses 2000 ms (outside its "
+            "group.min.session.timeout.ms..group.max.session.timeout.ms; Apache Kafka's minimum "
+            "is 6000 by default)")
+    else:
+        assert result.returncode == 0, result.stderr
