@@ -41,6 +41,7 @@ demo-simulate: install
 test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 test-fast: install
@@ -48,6 +49,7 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
+	$(PY) -m mypy
 
 bench: install
 	$(PY) bench/pipeline.py
