@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
 import orjson
@@ -459,6 +459,18 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
         parse_event(lenient, allowed=allowed)
         raise not_json from None
     return parse_event(data, allowed=allowed)
+
+
+def parse_trajectory_event(data: Any) -> TrajectoryEvent:
+    """`parse_event` for the events topic: `run_started` is refused like an unknown type."""
+    # `allowed` refuses run_started, the one event outside TrajectoryEvent.
+    return cast(TrajectoryEvent, parse_event(data, allowed=TRAJECTORY_EVENT_TYPES))
+
+
+def decode_trajectory_event(raw: bytes) -> TrajectoryEvent:
+    """`decode_event` for the events topic: `run_started` is refused like an unknown type."""
+    # `allowed` refuses run_started, the one event outside TrajectoryEvent.
+    return cast(TrajectoryEvent, decode_event(raw, allowed=TRAJECTORY_EVENT_TYPES))
 
 
 def load_json(raw: bytes | str) -> Any:
