@@ -35,10 +35,11 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
-from ingest.workers.config import EngineServerConfig, add_config_arguments, config_from_args
+from ingest.workers.config import EngineServerConfig
 from ingest.workers.engine_server import EngineServer
 from ingest.workers.engines import make_engine
 from ingest.workers.tasks import repeat_digit_rows
+from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
 
 log = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ def _follow(config: LoopConfig, reader: _StepReader, processor: Processor,
 
 
 def add_arguments(parser: Any) -> None:
-    add_config_arguments(parser, LoopConfig)
+    add_config_flags(parser, LoopConfig)
 
 
 def run(args: Any) -> int:

@@ -91,3 +91,12 @@ def test_wandb_mode_from_the_environment_is_validated(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         build_config(TrainerConfig, {"lake": "lake", "run_id": "r1", "deepspeed": str(ds)})
     assert str(info.value) == "--wandb-mode: Input should be 'offline', 'online' or 'disabled'"
+
+
+def test_loop_flags_come_from_its_model():
+    from ingest.commands.loop import LoopConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--steps", "3", "--zero-stage", "3"])
+    assert config_from_args(LoopConfig, args) == LoopConfig(steps=3, zero_stage=3)
