@@ -44,6 +44,7 @@ demo-simulate: install
 test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 # The whole loop and the worker's engine tests on a real SGLang server. The install script
@@ -61,6 +62,7 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
+	$(PY) -m mypy
 
 bench: install
 	$(PY) bench/pipeline.py

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
 import orjson
+from annotated_types import GroupedMetadata
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -80,32 +83,38 @@ NonNegativeInt32 = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 Timestamp = Annotated[float, Field(allow_inf_nan=False, ge=0, le=TS_MAX)]
 
 
-def _token_array(kind: TokenArrayKind, *, optional: bool = False) -> Any:
+@dataclass(frozen=True)
+class _TokenArray(GroupedMetadata):
     """A per-token field: a JSON list or a compact array on the wire, a read-only numpy
     array in the model (schemas/token_arrays.py); written back in the compact form."""
 
-    def validate(value: Any) -> np.ndarray | None:
-        if value is None and optional:
-            return None
-        return decode_token_array(kind, value)
+    kind: TokenArrayKind
+    optional: bool = False
 
-    schema = kind.json_schema()
-    if optional:
-        schema = {"anyOf": [*schema.pop("anyOf"), {"type": "null"}], **schema}
-    return Annotated[
-        np.ndarray | None if optional else np.ndarray,
-        PlainValidator(validate),
-        PlainSerializer(lambda values: None if values is None else encode_token_array(kind, values),
-                        when_used="json"),
-        WithJsonSchema(schema),
-    ]
+    def __iter__(self) -> Iterator[Any]:
+        kind, optional = self.kind, self.optional
+
+        def validate(value: Any) -> np.ndarray | None:
+            if value is None and optional:
+                return None
+            return decode_token_array(kind, value)
+
+        schema = kind.json_schema()
+        if optional:
+            schema = {"anyOf": [*schema.pop("anyOf"), {"type": "null"}], **schema}
+        yield PlainValidator(validate)
+        yield PlainSerializer(
+            lambda values: None if values is None else encode_token_array(kind, values),
+            when_used="json",
+        )
+        yield WithJsonSchema(schema)
 
 
 # Token ids are stored as int32, loss masks as int8, rollout_log_probs as float32.
-TokenIds = _token_array(TOKEN_IDS)
-OptionalTokenIds = _token_array(TOKEN_IDS, optional=True)
-OptionalLossMask = _token_array(LOSS_MASK, optional=True)
-OptionalLogProbs = _token_array(LOG_PROBS, optional=True)
+TokenIds = Annotated[np.ndarray, _TokenArray(TOKEN_IDS)]
+OptionalTokenIds = Annotated[np.ndarray | None, _TokenArray(TOKEN_IDS, optional=True)]
+OptionalLossMask = Annotated[np.ndarray | None, _TokenArray(LOSS_MASK, optional=True)]
+OptionalLogProbs = Annotated[np.ndarray | None, _TokenArray(LOG_PROBS, optional=True)]
 
 
 def _bounded_object(max_bytes: int | None):
@@ -354,7 +363,7 @@ class SampleAborted(_Event):
 TrajectoryEvent = GroupStarted | SampleFinished | CompactionFragment | RewardEvent | SampleAborted
 AnyEvent = RunStarted | TrajectoryEvent
 
-EVENT_MODELS: dict[str, type[_Event]] = {
+EVENT_MODELS: dict[str, type[AnyEvent]] = {
     "run_started": RunStarted,
     "group_started": GroupStarted,
     "sample_finished": SampleFinished,
@@ -452,6 +461,18 @@ def decode_event(raw: bytes, *, allowed: frozenset[str] | None = None) -> AnyEve
     return parse_event(data, allowed=allowed)
 
 
+def parse_trajectory_event(data: Any) -> TrajectoryEvent:
+    """`parse_event` for the events topic: `run_started` is refused like an unknown type."""
+    # `allowed` refuses run_started, the one event outside TrajectoryEvent.
+    return cast(TrajectoryEvent, parse_event(data, allowed=TRAJECTORY_EVENT_TYPES))
+
+
+def decode_trajectory_event(raw: bytes) -> TrajectoryEvent:
+    """`decode_event` for the events topic: `run_started` is refused like an unknown type."""
+    # `allowed` refuses run_started, the one event outside TrajectoryEvent.
+    return cast(TrajectoryEvent, decode_event(raw, allowed=TRAJECTORY_EVENT_TYPES))
+
+
 def load_json(raw: bytes | str) -> Any:
     """Decode JSON with orjson; what only Python's lenient reader takes (`NaN`, `Infinity`,
     numbers beyond a double) is read with it, so validation can name the field to blame.
@@ -465,7 +486,7 @@ def load_json(raw: bytes | str) -> Any:
             raise strict_error from None
 
 
-def encode_event(event: BaseModel) -> bytes:
+def encode_event(event: AnyEvent) -> bytes:
     """The canonical wire form: UTF-8 JSON without fields left at an implicit default,
     per-token arrays in the compact form (schemas/token_arrays.py)."""
     body = event.model_dump(mode="json", exclude_unset=True)

@@ -242,16 +242,17 @@ def _column_digest(h: hashlib._Hash, column: pa.ChunkedArray | pa.Array) -> None
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     if pa.types.is_list(column.type):
         # Chunk by chunk, all lengths then all values: the same bytes as one combined
-        # array, without copying the token lists (hashlib reads numpy buffers in place).
+        # array, without copying the token lists (hashlib reads the numpy buffers in place
+        # through `.data`, a memoryview).
         for chunk in chunks:
             lengths = pc.fill_null(pc.list_value_length(chunk), -1).to_numpy(zero_copy_only=False)
-            h.update(np.ascontiguousarray(lengths, dtype="<i8"))
+            h.update(np.ascontiguousarray(lengths, dtype="<i8").data)
         for chunk in chunks:
             values = pc.list_flatten(chunk)
             h.update(
                 np.ascontiguousarray(values.to_numpy(zero_copy_only=False)).astype(
                     values.type.to_pandas_dtype(), copy=False
-                )
+                ).data
             )
         return
     arr = pa.concat_arrays(chunks) if len(chunks) != 1 else chunks[0]

@@ -21,6 +21,11 @@ from schemas.errors import ConfigError
 from schemas.events import FieldValueError, RunId
 
 
+def _wandb_mode_from_env() -> Any:
+    """$WANDB_MODE, else offline; unchecked here, so the field's validation names a bad one."""
+    return os.environ.get("WANDB_MODE", "offline")
+
+
 class TrainerConfig(BaseModel):
     """Everything one trainer process needs; the DeepSpeed JSON stays a separate file."""
 
@@ -95,7 +100,7 @@ class TrainerConfig(BaseModel):
     wandb_project: str = "rolloutlake"
     """W&B project."""
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
-        default_factory=lambda: os.environ.get("WANDB_MODE", "offline")
+        default_factory=_wandb_mode_from_env, validate_default=True
     )
     """W&B mode; defaults to $WANDB_MODE, else offline."""
     dist_backend: str | None = None

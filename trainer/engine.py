@@ -236,7 +236,7 @@ class Trainer:
 
     def _finish_step(self, row: dict[str, Any]) -> None:
         """Outputs of a checkpointed step; safe to repeat after a restart."""
-        if self.rank == 0:
+        if self.sink is not None:  # rank 0
             self._prune_checkpoints()
             self.sink.record(row)
         every = self.config.save_weights_every
@@ -244,9 +244,9 @@ class Trainer:
             path = weights_path(self.config, row["step"])
             if not path.exists():  # a shared filesystem, as for DeepSpeed checkpoints
                 state = gathered_state_dict(self.engine)
-                if self.rank == 0:
+                if self.sink is not None:
                     self.sink.save_weights(self.engine.module, state, row["step"])
-            if self.rank == 0:
+            if self.sink is not None:
                 self.sink.publish_weights(row["step"], path, row["update"])
 
     def _prune_checkpoints(self) -> None:

@@ -46,7 +46,8 @@ def tiny_config(vocab_size: int) -> LlamaConfig:
 
 def tiny_model(vocab_size: int, seed: int, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_config(vocab_size)).to(dtype)
+    # transformers' wrapper of PreTrainedModel.to types `self` as its first argument.
+    return LlamaForCausalLM(tiny_config(vocab_size)).to(dtype)  # type: ignore[arg-type]
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -105,9 +105,9 @@ def _print_group(console: Console, g: GroupLineage) -> None:
                        e["ingested_at"].isoformat(timespec="milliseconds"), e["type"],
                        e["event_id"], _summary(e["payload"]))
     console.print(events)
-    for d in g.dead_letters:
-        console.print(f"dead letter {d['topic']}:{d['partition']}@{d['offset']} at "
-                      f"{d['at'].isoformat()}: {d['error']}")
+    for letter in g.dead_letters:
+        console.print(f"dead letter {letter['topic']}:{letter['partition']}@{letter['offset']} "
+                      f"at {letter['at'].isoformat()}: {letter['error']}")
     d = g.decision
     console.print("decision: " + ("undecided" if d is None else
                   f"{d['decision']} (reason {d['reason']}), step {d['step']}, "

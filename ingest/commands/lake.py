@@ -53,6 +53,6 @@ def run(args: argparse.Namespace) -> int:
     runs = retained_runs(lake, hours=args.retention_hours, keep=frozenset(args.keep_run))
     print("runs under retention: " + (", ".join(f"{r.run_id} ({r.why})" for r in runs.values())
                                       or "none"))
-    for result in vacuum(lake, hours=args.retention_hours, runs=runs, dry_run=args.dry_run):
-        print(result.line(dry_run=args.dry_run))
+    for vacuumed in vacuum(lake, hours=args.retention_hours, runs=runs, dry_run=args.dry_run):
+        print(vacuumed.line(dry_run=args.dry_run))
     return 0

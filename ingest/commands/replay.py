@@ -86,8 +86,8 @@ def archived_items(lake: Lake, run_id: str, config: RunConfig,
             progress(done, len(rows))
             if folded.started is None:
                 continue
-            started_us, started_offset = folded.started
-            items.append(Opened(run_id, group.group_index, group.step, started_us, partition,
+            started_us, started_offset, step = folded.started
+            items.append(Opened(run_id, group.group_index, step, started_us, partition,
                                 started_offset))
             if folded.completed is not None:
                 at_us, offset = folded.completed
@@ -161,9 +161,10 @@ def write_effects(out: Lake, run_id: str, effects: list[Effects]) -> None:
         out.append("groups", groups_table(merged.groups))
     if merged.samples:
         out.append("samples", pa.concat_tables(merged.samples))
-    version = None
     if merged.sealed:
         version = out.append("training_batches", pa.concat_tables([s.rows for s in merged.sealed]))
+        # Without marks, append skips only an empty table, and a sealed step has rows.
+        assert version is not None
         out.append("steps", pa.Table.from_pylist(
             [steps_row(run_id, s, version) for s in merged.sealed], schema=STEPS.schema))
     metrics = [row for step, m in merged.closed for row in metric_rows(run_id, step, m)]

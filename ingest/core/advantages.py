@@ -110,7 +110,7 @@ def row_advantages(
 
     out = [0.0] * len(rows)
     for positions in groups.values():
-        buckets: dict[Hashable, list[int]] = {}
+        buckets: dict[tuple[str, Hashable], list[int]] = {}
         for pos in positions:
             rid = rows[pos].rollout_id
             buckets.setdefault(("row", pos) if rid is None else ("id", rid), []).append(pos)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, assert_never
 
 from ingest.core.model import Fragment, Group, Rollout
 from schemas.events import (
-    AnyEvent,
     CompactionFragment,
     GroupStarted,
     RewardEvent,
@@ -97,7 +96,9 @@ class GroupBuilder:
             )
         return Rollout(rollout_id=rollout_id)
 
-    def _rollout_event(self, event: TrajectoryEvent) -> ApplyResult:
+    def _rollout_event(
+        self, event: SampleFinished | CompactionFragment | RewardEvent | SampleAborted
+    ) -> ApplyResult:
         found = self._rollout_for(event.rollout_id)
         if isinstance(found, ApplyResult):
             return found
@@ -110,8 +111,8 @@ class GroupBuilder:
             result = _apply_reward(rollout, event.reward)
         elif isinstance(event, SampleAborted):
             result = _apply_aborted(rollout, event)
-        else:  # pragma: no cover - the union above is exhaustive
-            raise TypeError(f"not a trajectory event: {type(event).__name__}")
+        else:
+            assert_never(event)
         if result.accepted:
             self.group.rollouts[rollout.rollout_id] = rollout
         return result
@@ -216,12 +217,16 @@ def _apply_aborted(rollout: Rollout, event: SampleAborted) -> ApplyResult:
 class ArchivedRow(Protocol):
     """An archived event as `fold_partition` reads it (`ingest.io.archive.ArchivedEvent`)."""
 
-    run_id: str
-    group_index: int | None
-    offset: int
-    at_us: int
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def group_index(self) -> int | None: ...  # None for run_started
+    @property
+    def offset(self) -> int: ...
+    @property
+    def at_us(self) -> int: ...
 
-    def event(self) -> AnyEvent: ...
+    def event(self) -> TrajectoryEvent: ...
 
 
 @dataclass(slots=True)
@@ -230,7 +235,7 @@ class FoldedGroup:
 
     builder: GroupBuilder
     first_us: int  # event time of its first archived event
-    started: tuple[int, int] | None = None  # (event time, offset) of its group_started
+    started: tuple[int, int, int] | None = None  # (event time, offset, step) of its group_started
     completed: tuple[int, int] | None = None  # (event time, offset) of the event completing it
 
 
@@ -245,17 +250,18 @@ def fold_partition(rows: Iterable[ArchivedRow],
     """
     groups: dict[tuple[str, int], FoldedGroup] = {}
     for row in rows:
-        key = (row.run_id, row.group_index)
-        if row.group_index is None or skip(*key):
+        group_index = row.group_index
+        if group_index is None or skip(row.run_id, group_index):
             continue
+        key = (row.run_id, group_index)
         folded = groups.get(key)
         if folded is None:
             folded = groups[key] = FoldedGroup(
-                GroupBuilder(row.run_id, row.group_index, row.at_us / 1e6), row.at_us)
+                GroupBuilder(row.run_id, group_index, row.at_us / 1e6), row.at_us)
         event = row.event()
         folded.builder.apply(event)
         if isinstance(event, GroupStarted):
-            folded.started = (row.at_us, row.offset)
+            folded.started = (row.at_us, row.offset, event.step)
         if folded.completed is None and folded.builder.group.complete:
             folded.completed = (row.at_us, row.offset)
     return groups

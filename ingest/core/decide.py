@@ -82,8 +82,8 @@ def cancelled_since(group: Group) -> float | None:
     aborts = [r for r in group.rollouts.values() if r.aborted]
     if not aborts or any(r.abort_reason != "cancelled" for r in aborts):
         return None
-    stamps = [r.metadata.get("abort_ts") for r in aborts]
-    if not all(isinstance(s, int | float) for s in stamps):
+    stamps = [s for r in aborts if isinstance(s := r.metadata.get("abort_ts"), int | float)]
+    if len(stamps) < len(aborts):
         return None
     return float(min(stamps))
 

@@ -112,7 +112,7 @@ def _as_list(values: Any) -> list[Any] | None:
     return None if values is None else np.asarray(values).tolist()
 
 
-def _sample(group: Group, rollout: Rollout, fragment: Fragment | None,
+def _sample(group: Group, rollout: Rollout, status: SampleStatus, fragment: Fragment | None,
             tokens_too: bool = True) -> MilesSample:
     metadata = {**group.metadata, **rollout.metadata}
     tokens: list[int] = []
@@ -129,7 +129,7 @@ def _sample(group: Group, rollout: Rollout, fragment: Fragment | None,
         group_index=group.group_index,
         index=rollout.sample_index,
         rollout_id=rollout.rollout_id,
-        status=SampleStatus(rollout.status),
+        status=status,
         reward=copy.deepcopy(rollout.reward),
         prompt=copy.deepcopy(group.prompt) if group.prompt is not None else "",
         label=copy.deepcopy(group.label),
@@ -158,11 +158,13 @@ def miles_group(group: Group, *, tokens_too: bool = True) -> list[MilesSample | 
             raise ValueError(
                 f"group {group.group_index}: rollout {rollout.rollout_id} is not finished"
             )
+        status = SampleStatus(rollout.status)
         fragments = rollout.ordered_fragments()
         if len(fragments) <= 1:
-            out.append(_sample(group, rollout, fragments[0] if fragments else None, tokens_too))
+            out.append(_sample(group, rollout, status, fragments[0] if fragments else None,
+                               tokens_too))
         else:
-            out.append([_sample(group, rollout, f, tokens_too) for f in fragments])
+            out.append([_sample(group, rollout, status, f, tokens_too) for f in fragments])
     return out
 
 

@@ -14,6 +14,9 @@ import numpy as np
 
 RolloutStatus = Literal["completed", "truncated", "aborted"]
 Decision = Literal["kept", "dropped", "surplus"]
+# An event's read-only numpy array, or a list in hand-built tests.
+TokenValues = np.ndarray | Sequence[int]
+LogProbValues = np.ndarray | Sequence[float]
 
 
 @dataclass(slots=True)
@@ -26,10 +29,10 @@ class Fragment:
 
     rollout_id: int
     fragment_index: int
-    prompt_tokens: Sequence[int]
-    response_tokens: Sequence[int]
-    loss_mask: Sequence[int] | None = None  # None means all ones
-    rollout_log_probs: Sequence[float] | None = None
+    prompt_tokens: TokenValues
+    response_tokens: TokenValues
+    loss_mask: TokenValues | None = None  # None means all ones
+    rollout_log_probs: LogProbValues | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     response_text: str | None = None  # from sample_finished; Miles `Sample.response`
     event_id: str | None = None  # the event that carried it

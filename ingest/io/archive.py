@@ -18,7 +18,7 @@ from ingest.core.assembly import GroupBuilder
 from ingest.core.model import Group
 from ingest.core.ordering import micros
 from ingest.io.lake import Lake
-from schemas.events import AnyEvent, parse_event
+from schemas.events import TrajectoryEvent, parse_trajectory_event
 
 _COLUMNS = ["run_id", "group_index", "event_id", "type", "topic", "partition", "offset",
             "ingested_at", "event_time", "payload"]
@@ -38,8 +38,9 @@ class ArchivedEvent:
     at_us: int  # its event time
     payload: str
 
-    def event(self) -> AnyEvent:
-        return parse_event(orjson.loads(self.payload))
+    def event(self) -> TrajectoryEvent:
+        """The payload of a row with a group_index (run_started rows are read as payload)."""
+        return parse_trajectory_event(orjson.loads(self.payload))
 
 
 def read_archive(lake: Lake, where: pc.Expression) -> list[ArchivedEvent]:

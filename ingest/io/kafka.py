@@ -139,7 +139,7 @@ class KafkaSettings(BaseModel):
         from_env = security_from_env(os.environ, skip=values.keys())
         for name, value in from_env.items():
             try:  # checked here, so that an error names the variable, not a flag
-                TypeAdapter(cls.model_fields[name].annotation).validate_python(value)
+                TypeAdapter(cls.model_fields[name].rebuild_annotation()).validate_python(value)
             except ValidationError as err:
                 message = err.errors(include_url=False)[0]["msg"]
                 raise ValueError(f"{SECURITY_ENV_PREFIX}{name.upper()}: {message}") from None

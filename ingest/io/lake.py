@@ -214,7 +214,8 @@ class Lake:
             if rows.num_rows == 0 and not fresh:
                 return None
             try:
-                write_deltalake(
+                # deltalake's overloads leave out the writer_properties=None it takes.
+                write_deltalake(  # type: ignore[call-overload]
                     dt,
                     rows,
                     mode="append",

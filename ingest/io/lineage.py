@@ -60,18 +60,18 @@ class Snapshot:
             return f" as of training_batches version {self.batch_version} ({self.at.isoformat()})"
         return f" as of {self.at.isoformat()}"
 
-    def version(self, table: str) -> int | None:
+    def _version_at(self, table: str, at: datetime) -> int | None:
         if table == TRAINING_BATCHES.name and self.batch_version is not None:
             return self.batch_version
         if table not in self._versions:
-            self._versions[table] = self.lake.versions_as_of(table)(self.at)
+            self._versions[table] = self.lake.versions_as_of(table)(at)
         return self._versions[table]
 
     def read(self, table: str, *, filter: pc.Expression | None = None,
              columns: list[str] | None = None) -> pa.Table:
         if self.at is None:
             return self.lake.read(table, filter=filter, columns=columns)
-        version = self.version(table)
+        version = self._version_at(table, self.at)
         if version is None:  # the table did not exist yet
             empty = TABLES[table].empty()
             return empty.select(columns) if columns is not None else empty

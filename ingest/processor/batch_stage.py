@@ -195,13 +195,12 @@ class BatchStage(Stage):
         else:
             self._applied = True
             notice = opened_notice(record)
-            header = None if notice is not None else decision_header(record)
-            if notice is None and header is None:
+            item = notice if notice is not None else decision_header(record)
+            if item is None:
                 self.dead_letters.add(record.topic, record.partition, record.offset,
                                       "not a rolloutlake decision (no 'decision' header)",
                                       record.value)
                 return
-            item = notice if notice is not None else header
             key = item.order_key()
             applied = self.batchers.get(key.run_id)
             if applied is not None and key.group_index in (
@@ -303,7 +302,7 @@ class BatchStage(Stage):
         if parts:
             recorded = {p: self._recorded(table, p) for p in marks}
             keep = [
-                recorded.get(p) is None or o > recorded[p] for p, o in pending.sources[table]
+                (at := recorded.get(p)) is None or o > at for p, o in pending.sources[table]
             ]
             rows = pa.concat_tables(parts).filter(pa.array(keep, pa.bool_()))
             if rows.num_rows:

@@ -45,9 +45,10 @@ class DeadLetters:
     def add(self, topic: str, partition: int, offset: int, error: str, raw: bytes | None,
             *, run_id: str | None = None, group_index: int | None = None) -> None:
         key = (topic, partition, offset)
-        if key in self.known():
+        known = self.known()
+        if key in known:
             return
-        self._known.add(key)
+        known.add(key)
         # Reasons may quote input: keep a lone surrogate from failing the table write.
         error = error.encode("utf-8", "backslashreplace").decode("utf-8")
         self.rows.append(

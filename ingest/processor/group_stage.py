@@ -38,10 +38,10 @@ from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError
 from schemas.events import (
-    TRAJECTORY_EVENT_TYPES,
     AnyEvent,
     GroupStarted,
-    decode_event,
+    RunConfig,
+    decode_trajectory_event,
     event_group_key,
 )
 from schemas.tables import EVENTS, utc_micros
@@ -197,7 +197,7 @@ class GroupStage(Stage):
         clock = self.clocks[partition]
         clock.advance(max(row.at_us for row in archive))
         for row in archive:
-            ids = self.decided.get((row.run_id, row.group_index))
+            ids = None if row.group_index is None else self.decided.get((row.run_id, row.group_index))
             if ids is not None:
                 # A late redelivery of this event is a duplicate, not an event for a
                 # decided group.
@@ -210,12 +210,11 @@ class GroupStage(Stage):
                 pending.completed_us, offset = group.completed
                 pending.completed_at = (partition, offset)
             if group.started is not None:  # the notice may not have gone out before the restart
-                at_us, offset = group.started
-                batch.decisions.append(Opened(key[0], key[1], group.builder.group.step, at_us,
-                                              partition, offset))
+                at_us, offset, step = group.started
+                batch.decisions.append(Opened(key[0], key[1], step, at_us, partition, offset))
         # Only complete groups are decided; the others wait for their remaining events.
-        complete = [k for k in folded if self.pending[k].completed_at is not None]
-        for key in sorted(complete, key=lambda k: self.pending[k].completed_at):
+        complete = {k: at for k in folded if (at := self.pending[k].completed_at) is not None}
+        for key in sorted(complete, key=complete.__getitem__):
             self._try_decide(key, batch)
         self._expire(partition, batch)  # timed out before the restart, not yet published
         log.info("partition %d: rebuilt %d undecided groups", partition, len(folded))
@@ -261,7 +260,7 @@ class GroupStage(Stage):
         if recorded is not None and offset <= recorded:
             return  # archived before a restart
         try:
-            event = decode_event(record.value, allowed=TRAJECTORY_EVENT_TYPES)
+            event = decode_trajectory_event(record.value)
         except EventValidationError as err:
             self.dead_letters.add(record.topic, partition, offset, str(err), record.value)
             return
@@ -351,17 +350,20 @@ class GroupStage(Stage):
 
     def _try_decide(self, key: GroupKey, batch: _Batch) -> None:
         pending = self.pending[key]
-        if self.runs.get(key[0]) is None:
+        config = self.runs.get(key[0])
+        if config is None:
             return  # waits for its run_started (or times out)
+        # Only groups with a completing event are passed here.
+        assert pending.completed_at is not None and pending.completed_us is not None
         partition, offset = pending.completed_at
-        self._finish(key, {"partition": partition, "offset": offset}, pending.completed_us,
-                     batch)
+        self._finish(key, config, {"partition": partition, "offset": offset},
+                     pending.completed_us, batch)
 
-    def _finish(self, key: GroupKey, source: dict[str, int], at_us: int, batch: _Batch,
-                *, timed_out: bool = False) -> None:
+    def _finish(self, key: GroupKey, config: RunConfig, source: dict[str, int], at_us: int,
+                batch: _Batch, *, timed_out: bool = False) -> None:
         pending = self.pending.pop(key)
         group = pending.builder.group
-        decided = decide(group, self.runs.get(key[0]), at_us=at_us, source=source,
+        decided = decide(group, config, at_us=at_us, source=source,
                          decided_at=time.time(), timed_out=timed_out)
         if decided.error is not None:
             log.warning("%s", decided.error)
@@ -395,9 +397,10 @@ class GroupStage(Stage):
             if pending is None or pending.partition != partition:
                 continue  # decided meanwhile
             group = pending.builder.group
-            if group.started and self.runs.get(run_id) is not None:
-                self._finish(key, {"partition": partition, "offset": -1}, deadline_us, batch,
-                             timed_out=True)
+            config = self.runs.get(run_id)
+            if group.started and config is not None:
+                self._finish(key, config, {"partition": partition, "offset": -1}, deadline_us,
+                             batch, timed_out=True)
             else:
                 self._dead_letter_group(key, pending, self._timeout_s(run_id), batch)
 

@@ -62,7 +62,7 @@ class StageHealth:
     def observe_broker(self, reachable: bool, now: float) -> None:
         """Called after every poll; raises once the broker was away for the timeout."""
         if reachable:
-            if self.state == "broker-unreachable":
+            if self.state == "broker-unreachable" and self.unreachable_since is not None:
                 log.log(self.report_level, "%s stage: broker at %s is reachable again after "
                         "%.0f s", self.role, self.bootstrap_servers, now - self.unreachable_since)
                 self.state = "running" if self.partitions is not None else "joining"

@@ -105,7 +105,7 @@ class RunConfigs:
 
     def _save(self) -> None:
         """Write the run_started records not in the `runs` table yet (one commit)."""
-        if not self._unsaved:
+        if self._save_to is None or not self._unsaved:
             return
         rows, self._unsaved = self._unsaved, []
         for partition in {r["partition"] for r in rows} - set(self._saved):

@@ -80,7 +80,8 @@ def sync_run(
     tail = StepTail(lake, run_id, after=after)
     stop = stop or threading.Event()
     run = wandb.init(
-        project=project, entity=entity, id=wandb_id, resume="allow", mode=mode,
+        # $WANDB_MODE goes through as set: wandb.init checks it and names the valid modes.
+        project=project, entity=entity, id=wandb_id, resume="allow", mode=mode,  # type: ignore[arg-type]
         dir=str(wandb_dir) if wandb_dir else None, job_type="rollout-metrics",
         config={"rolloutlake_run_id": run_id}, settings=wandb.Settings(silent=True),
         reinit="create_new",  # the processor syncs several runs at once

@@ -28,7 +28,7 @@ class ControlFollower:
     `weights_updated` of `run_id`."""
 
     def __init__(self, settings: KafkaSettings, run_id: str,
-                 on_message: Callable[[StepSealed | WeightsUpdated], None]):
+                 on_message: Callable[[StepSealed | WeightsUpdated], object]):
         self.run_id = run_id
         self.on_message = on_message
         self._consumer = settings.consumer()

@@ -82,3 +82,21 @@ def test_errors_name_the_flag_or_the_path(values, expected):
     with pytest.raises(ConfigError) as info:
         build_config(GatewayConfig, {"allow_anonymous": True, **values})
     assert str(info.value) == expected
+
+
+def test_wandb_mode_from_the_environment_is_validated(tmp_path, monkeypatch):
+    ds = tmp_path / "ds.json"
+    ds.write_text("{}")
+    monkeypatch.setenv("WANDB_MODE", "onlin")
+    with pytest.raises(ConfigError) as info:
+        build_config(TrainerConfig, {"lake": "lake", "run_id": "r1", "deepspeed": str(ds)})
+    assert str(info.value) == "--wandb-mode: Input should be 'offline', 'online' or 'disabled'"
+
+
+def test_loop_flags_come_from_its_model():
+    from ingest.commands.loop import LoopConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--steps", "3", "--zero-stage", "3"])
+    assert config_from_args(LoopConfig, args) == LoopConfig(steps=3, zero_stage=3)
