@@ -134,7 +134,8 @@ class WorkerConfig(BaseModel):
     seal_wait_s: float = Field(default=10.0, ge=0)
     """After its last step's groups are done, the worker waits for its steps to seal,
     issuing more groups on the processor's `demand`; it exits once every step it issued
-    is sealed, or when no control message of the run came for this many seconds."""
+    is sealed, or when for this many seconds no control message of the run came and no
+    round of its groups ended."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)

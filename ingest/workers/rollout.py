@@ -150,7 +150,7 @@ class RolloutWorker:
         self._issued: dict[int, int] = {}  # step -> groups issued
         self._rounds: dict[int, int] = {}  # step -> rounds issued
         self._groups: dict[int, set[asyncio.Task[None]]] = defaultdict(set)  # step -> running
-        self._last_heard = time.monotonic()  # last control message or finished group
+        self._last_heard = time.monotonic()  # last control message or finished round
         self._news = asyncio.Event()  # set on each of those
 
     def on_control(self, message: StepSealed | Demand | WeightsUpdated) -> None:

@@ -97,6 +97,7 @@ def reload(url: str, path: Path, version: int) -> None:
 def torch_log_probs(model_dir: Path, prompt: list[int], response: list[int]) -> list[float]:
     """Log-probs of `response` after `prompt` under the folder's weights, in plain torch."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt, response = list(map(int, prompt)), list(map(int, response))  # also numpy arrays
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1]
