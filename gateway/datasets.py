@@ -195,7 +195,7 @@ class DatasetStore:
             name=name, version=version, valid_rows=valid, rows_kept=kept,
             rows_sliced_out=valid - max(hi - lo, 0), rows_filtered=filtered,
             length_unit="tokens" if opts.tokenizer else "characters",
-            bad_line_count=bad_count, bad_lines=bad,
+            bad_line_count=bad_count, bad_lines=[BadLine(**line) for line in bad],
         )
 
     def rows(self, name: str, version: int) -> pa.Table:

@@ -23,12 +23,20 @@ class StepSealed(_Control):
 
 
 class Demand(_Control):
-    """How many more groups a step still needs (kept + in flight cannot reach the batch)."""
+    """How many more groups an open step needs, published after a decision changed it.
+
+    `groups_needed = max(0, rollout_batch_size - kept - in_flight)`: `kept` counts the kept
+    groups in the step's batch, `in_flight` the groups issued for the step (their
+    `group_started` seen by the processor) that are not decided yet.
+    """
 
     type: Literal["demand"] = "demand"
     step: NonNegativeInt
     groups_needed: NonNegativeInt
     kept: NonNegativeInt
+    in_flight: NonNegativeInt | None = None
+    issued: NonNegativeInt | None = Field(
+        default=None, description="Groups issued for the step that the processor has seen.")
 
 
 class WeightsUpdated(_Control):

@@ -8,6 +8,14 @@ Step metrics are written when a step *closes*, not when it seals: a sealed step 
 once a later step of the run has sealed (or the processor flushes on shutdown). By then the groups
 cancelled at the seal and the surplus that finished after it have been decided, so the
 bias-aware counts of a step describe that step.
+
+After each decision the batcher also says how many more groups each open step it touched
+needs (`Demand`, CONTRACT section 1): `rollout_batch_size - kept - in_flight`, floored at
+0, where `kept` is the kept groups in the step's batch and `in_flight` the groups issued
+for that step (their `group_started` archived) and not decided yet; `issued` counts the
+step's groups issued so far, decided or not. A step's demand is reported only when its
+`groups_needed` or `kept` differs from the last one reported, and never for a sealed step
+(its `step_sealed` says it all).
 """
 
 from __future__ import annotations
@@ -59,12 +67,25 @@ class Effects:
     samples: list[pa.Table] = field(default_factory=list)
     sealed: list[SealedBatch] = field(default_factory=list)
     closed: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    demands: list[StepDemand] = field(default_factory=list)
 
     def extend(self, other: Effects) -> None:
         self.groups.extend(other.groups)
         self.samples.extend(other.samples)
         self.sealed.extend(other.sealed)
         self.closed.extend(other.closed)
+        self.demands.extend(other.demands)
+
+
+@dataclass(frozen=True, slots=True)
+class StepDemand:
+    """An open step's need for more groups after a decision (the `demand` message)."""
+
+    step: int
+    groups_needed: int
+    kept: int
+    in_flight: int
+    issued: int
 
 
 class RunBatcher:
@@ -83,6 +104,8 @@ class RunBatcher:
         self.step_configs: dict[int, RunConfig] = {}
         self.windows: dict[int, StepWindow] = {}
         self.opened: set[int] = set()
+        self.in_flight: dict[int, set[int]] = {}  # step -> issued groups not decided yet
+        self.demanded: dict[int, tuple[int, int]] = {}  # open step -> last (needed, kept)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -113,6 +136,8 @@ class RunBatcher:
         if group_index in self.opened:
             return
         self.opened.add(group_index)
+        if group_index not in self.decided and step not in self.sealed:
+            self.in_flight.setdefault(step, set()).add(group_index)
         window = self.window(step)
         if window is not None:
             window.issued += 1
@@ -127,6 +152,8 @@ class RunBatcher:
             return effects
         self.decided.add(header.group_index)
         step = header.step
+        if step is not None:
+            self.in_flight.get(step, set()).discard(header.group_index)
         decision, batch_step = header.decision, None
         reason = reason_at_seal(header, None if step is None else self.sealed.get(step))
         if decision == "kept":
@@ -143,7 +170,27 @@ class RunBatcher:
             members.append(group)
             if len(members) == config.rollout_batch_size:
                 effects.extend(self._seal(batch_step, now))
+        for touched in sorted({s for s in (step, batch_step) if s is not None}):
+            demand = self._demand(touched)
+            if demand is not None:
+                effects.demands.append(demand)
         return effects
+
+    def _demand(self, step: int) -> StepDemand | None:
+        """The step's demand when it changed since the last one reported; None for a
+        sealed step or an unchanged demand."""
+        if step in self.sealed:
+            return None
+        size = self.step_configs.get(step, self.config).rollout_batch_size
+        kept = len(self.kept.get(step, ()))
+        in_flight = len(self.in_flight.get(step, ()))
+        window = self.window(step)
+        issued = window.issued if window is not None else 0
+        needed = max(0, size - kept - in_flight)
+        if self.demanded.get(step) == (needed, kept):
+            return None
+        self.demanded[step] = (needed, kept)
+        return StepDemand(step, needed, kept, in_flight, issued)
 
     def _account(self, header: DecisionHeader, fragments: pa.Table, decision: str,
                  reason: str | None) -> None:
@@ -180,6 +227,8 @@ class RunBatcher:
         members = self.kept.pop(step)
         config = self.step_configs.pop(step)
         self.sealed[step] = now
+        self.demanded.pop(step, None)
+        self.in_flight.pop(step, None)
         members.sort(key=_batch_order)
         rows = training_rows(self.run_id, step, members, config)
         sealed = SealedBatch(

@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 PICKLE_PROTOCOL = 5
 # v2: the state is a `BatchState` (batchers and the ordering state), no longer the batchers
 # alone; a v1 snapshot does not load and the stage replays from offset 0. v3: a
-# `RunBatcher` keeps the config each open step opened with (`step_configs`).
-FORMAT = f"pickle-{PICKLE_PROTOCOL}-v3"
+# `RunBatcher` keeps the config each open step opened with (`step_configs`). v4: it tracks
+# each open step's groups in flight and its last demand.
+FORMAT = f"pickle-{PICKLE_PROTOCOL}-v4"
 
 
 def decision_fingerprint(record: Any) -> bytes:

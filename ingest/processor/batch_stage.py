@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 from kafka import TopicPartition
 
-from ingest.core.batching import Effects, RunBatcher
+from ingest.core.batching import Effects, RunBatcher, StepDemand
 from ingest.core.decided import DecidedGroup, DecisionHeader, Opened, fragments_table
 from ingest.core.ordering import OPENED, DecisionMerge
 from ingest.core.rows import groups_table, metric_rows, steps_row
@@ -46,7 +46,7 @@ from ingest.processor.decisions import (
 )
 from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
-from schemas.control import StepSealed
+from schemas.control import Demand, StepSealed
 from schemas.errors import RolloutlakeError
 from schemas.tables import STEP_METRICS, STEPS
 
@@ -68,6 +68,7 @@ class _Pending:
     last_offset: dict[int, int] = field(default_factory=dict)
     sealed: list[tuple[str, int, int, Any]] = field(default_factory=list)  # run, step, p, SealedBatch
     closed: list[tuple[str, int, int, int, dict[str, float]]] = field(default_factory=list)
+    demands: list[tuple[str, int, int, StepDemand]] = field(default_factory=list)  # run, p, offset
 
     def add(self, table: str, rows: pa.Table, partition: int, offset: int) -> None:
         self.rows[table].append(rows)
@@ -252,6 +253,8 @@ class BatchStage(Stage):
             pending.sealed.append((run_id, sealed.step, offset, sealed))
         for step, metrics in effects.closed:
             pending.closed.append((run_id, step, partition, offset, metrics))
+        for demand in effects.demands:
+            pending.demands.append((run_id, partition, offset, demand))
 
     def flush(self) -> None:
         """Close every sealed step (shutdown), so the last steps get their metrics too."""
@@ -269,13 +272,20 @@ class BatchStage(Stage):
         """Seal first (the trainer waits on it), then audit rows, metrics and `groups` last."""
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
+        published = {p: self._recorded("groups", p) for p in marks}
         batch_version = self._write("training_batches", pending, marks)
         new_steps = self._write_steps(pending, batch_version, marks)
         for run_id, step, sealed_at in new_steps:
-            message = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
+            sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
             self.producer.send(self.topics.control, key=run_id.encode(),
-                               value=message.model_dump_json().encode())
-        if new_steps:
+                               value=sealed.model_dump_json().encode())
+        demands = self._new_demands(pending, published)
+        for run_id, demand in demands:
+            needed = Demand(run_id=run_id, step=demand.step, groups_needed=demand.groups_needed,
+                            kept=demand.kept, in_flight=demand.in_flight, issued=demand.issued)
+            self.producer.send(self.topics.control, key=run_id.encode(),
+                               value=needed.model_dump_json().encode())
+        if new_steps or demands:
             self.producer.flush()
         self._write("samples", pending, marks)
         self._write_metrics(pending, marks)
@@ -287,6 +297,21 @@ class BatchStage(Stage):
             if marks.get(partition, -1) >= end - 1 or end == 0:
                 del self.replaying[partition]
         self._snapshot([p for p, o in marks.items() if self.snapshots.due(p, o)])
+
+    def _new_demands(self, pending: _Pending, published: dict[int, int | None]
+                     ) -> list[tuple[str, StepDemand]]:
+        """The poll's demands not published before a restart (their record is newer than
+        the `groups` rows committed then, `groups` being written last) and whose step is
+        still open at the end of the poll."""
+        out = []
+        for run_id, partition, offset, demand in pending.demands:
+            before = published.get(partition)
+            batcher = self.batchers.get(run_id)
+            if (before is not None and offset <= before) or batcher is None \
+                    or demand.step in batcher.sealed:
+                continue
+            out.append((run_id, demand))
+        return out
 
     def _recorded(self, table: str, partition: int) -> int | None:
         return self.recorded.get((table, partition))

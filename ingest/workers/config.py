@@ -5,16 +5,20 @@ Their flags and one-line errors come from the fields (`schemas/config.py`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ingest.io.kafka import KafkaSettings
 from ingest.workers.engines import EngineKind
 from schemas.config import ExistingFile
 from schemas.dotted import DottedPath
+from schemas.errors import ConfigError
 from schemas.events import RunId
+
+GATEWAY_TOKEN_ENV = "ROLLOUTLAKE_GATEWAY_TOKEN"
 
 
 class EngineServerConfig(BaseModel):
@@ -64,8 +68,16 @@ class WorkerConfig(BaseModel):
 
     run: RunId
     """The run whose rollouts this worker generates."""
-    prompt_data: ExistingFile
-    """JSONL dataset of prompts (Miles `--prompt-data`), one object per line."""
+    prompt_data: ExistingFile | None = None
+    """JSONL dataset of prompts (Miles `--prompt-data`), one object per line; or give
+    `--prompts-from`."""
+    prompts_from: str | None = None
+    """Gateway base URL: prompt groups come from its `POST /v1/runs/{run}/prompts` (the
+    run and its dataset are registered there; the gateway publishes `run_started` and
+    each `group_started`). The bearer token comes from `--gateway-token-file` or
+    $ROLLOUTLAKE_GATEWAY_TOKEN."""
+    gateway_token_file: Path | None = None
+    """File holding the gateway bearer token (a write token of the run)."""
     tokenizer: Path
     """Hugging Face tokenizer folder of the engine's model (for `--model tiny`: its
     `--tiny-dir`); prompts are tokenized here, engines get token ids."""
@@ -124,10 +136,34 @@ class WorkerConfig(BaseModel):
     """Seed of the engines' sampling: sample `i` of the run is drawn with seed
     `seed * 2**32 + i`, so the same weights give the same samples (vLLM only). Unset:
     the engine's own randomness."""
+    max_over_sampling_rounds: int = Field(default=8, ge=1)
+    """Soft cap on the rounds of `--over-sampling-batch-size` groups issued for one step:
+    each round beyond it logs a warning and counts in `rounds past cap`; the worker keeps
+    issuing until the step seals (a hard cap would leave the step unsealed)."""
+    seal_wait_s: float = Field(default=10.0, ge=0)
+    """After its last step's groups are done, the worker waits for its steps to seal,
+    issuing more groups on the processor's `demand`; it exits once every step it issued
+    is sealed, or when for this many seconds no control message of the run came and no
+    round of its groups ended."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds one engine request may take before it is an engine error."""
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> WorkerConfig:
+        if (self.prompt_data is None) == (self.prompts_from is None):
+            raise ValueError("give exactly one of --prompt-data and --prompts-from")
+        return self
+
+    def gateway_token(self) -> str | None:
+        """The gateway token: `--gateway-token-file`, else $ROLLOUTLAKE_GATEWAY_TOKEN."""
+        if self.gateway_token_file is not None:
+            try:
+                return self.gateway_token_file.read_text().strip()
+            except OSError as err:
+                raise ConfigError(f"--gateway-token-file: {err}") from None
+        return os.environ.get(GATEWAY_TOKEN_ENV) or None
 
     @field_validator("tokenizer")
     @classmethod

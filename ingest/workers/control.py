@@ -1,4 +1,4 @@
-"""Follows `rollout.control` for one run: step seals and new weights reach the rollout loop.
+"""Follows `rollout.control` for one run: step seals, demands and new weights reach the loop.
 
 The consumer is positioned at the end of every partition before the worker issues its
 first group: seals of earlier worker runs are history, the ones that matter come later.
@@ -15,20 +15,21 @@ from kafka import TopicPartition
 from pydantic import ValidationError
 
 from ingest.io.kafka import KafkaSettings
-from schemas.control import CONTROL_MODELS, StepSealed, WeightsUpdated
+from schemas.control import CONTROL_MODELS, Demand, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-FOLLOWED = ("step_sealed", "weights_updated")  # `demand` is not followed by this worker yet
+FOLLOWED = ("step_sealed", "demand", "weights_updated")
+Followed = StepSealed | Demand | WeightsUpdated
 
 
 class ControlFollower:
-    """Calls `on_message(message)` from its own thread for each `step_sealed` and
-    `weights_updated` of `run_id`."""
+    """Calls `on_message(message)` from its own thread for each `step_sealed`, `demand`
+    and `weights_updated` of `run_id`."""
 
     def __init__(self, settings: KafkaSettings, run_id: str,
-                 on_message: Callable[[StepSealed | WeightsUpdated], object]):
+                 on_message: Callable[[Followed], object]):
         self.run_id = run_id
         self.on_message = on_message
         self._consumer = settings.consumer()
@@ -60,7 +61,7 @@ class ControlFollower:
                     if message is not None:
                         self.on_message(message)
 
-    def _followed(self, value: bytes | None) -> StepSealed | WeightsUpdated | None:
+    def _followed(self, value: bytes | None) -> Followed | None:
         try:
             body = orjson.loads(value or b"null")
             if not isinstance(body, dict) or body.get("type") not in FOLLOWED:
@@ -71,5 +72,5 @@ class ControlFollower:
             return None
         if message.run_id != self.run_id:
             return None
-        assert isinstance(message, StepSealed | WeightsUpdated)
+        assert isinstance(message, Followed)
         return message

@@ -16,7 +16,7 @@ from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine
-from ingest.workers.prompts import load_prompts
+from ingest.workers.prompts import DatasetPrompts, GatewayPrompts, PromptSource, load_prompts
 from ingest.workers.rollout import Progress, RolloutWorker
 from schemas.config import add_config_flags, config_from_args, setting_name
 from schemas.dotted import load_callable
@@ -46,15 +46,22 @@ def run(args: argparse.Namespace) -> int:
     except FilterLoadError as err:
         raise ConfigError(f"{setting_name(WorkerConfig, ['custom_rm_path'])}: {err}") from None
     tokenizer = load_tokenizer(config)
-    prompts = load_prompts(config.prompt_data, DatasetOptions(
-        input_key=config.input_key, label_key=config.label_key,
-        metadata_key=config.metadata_key), tokenizer)
+    prompts: PromptSource
+    if config.prompts_from is not None:
+        prompts = GatewayPrompts(config.prompts_from, config.run, config.gateway_token(),
+                                 tokenizer, config.n_samples_per_prompt)
+    else:
+        assert config.prompt_data is not None  # the config requires one of the two
+        prompts = DatasetPrompts(load_prompts(config.prompt_data, DatasetOptions(
+            input_key=config.input_key, label_key=config.label_key,
+            metadata_key=config.metadata_key), tokenizer))
     log.info("worker config %s", config.model_dump_json())
     progress = asyncio.run(_run(config, reward_fn, tokenizer, prompts))
     print(f"worker done: {progress.groups_issued} groups, {progress.samples_finished} samples "
           f"finished, {progress.samples_aborted} aborted, {progress.samples_cancelled} "
           f"cancelled at seal, {progress.response_tokens} response tokens at "
-          f"{progress.tokens_per_s:,.0f} tokens/s", flush=True)
+          f"{progress.tokens_per_s:,.0f} tokens/s, {progress.extra_rounds} extra "
+          f"over-sampling rounds ({progress.rounds_past_cap} past the cap)", flush=True)
     if progress.engine_errors:
         raise EngineError(f"{progress.engine_errors} samples got no answer from the engine, "
                           f"published as sample_aborted(engine_error) (last: "
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
+async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts: PromptSource) -> Progress:
     engines = [make_engine(config.engine, url, timeout_s=config.request_timeout_s)
                for url in config.engine_urls]
     settings = config.kafka
@@ -82,3 +89,4 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts) -> Progress:
             follower.stop()
         for engine in engines:
             await engine.aclose()
+        await prompts.aclose()

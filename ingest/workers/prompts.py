@@ -1,9 +1,14 @@
-"""Prompts from a local JSONL dataset, read with the gateway's Miles row semantics.
+"""Prompt groups for the rollout loop: a local JSONL dataset, or the gateway's prompt API.
 
-Rows map to prompts as in Miles (`--input-key`, `--label-key`, `--metadata-key`); unlike
-Miles, a bad line is an error naming its line, not skipped silently. Group `g` takes row
-`g mod rows`: epochs in file order, so a worker restarted at a later step picks up the
-same prompts for the same group indexes.
+Dataset: rows map to prompts as in Miles (`--input-key`, `--label-key`, `--metadata-key`);
+unlike Miles, a bad line is an error naming its line, not skipped silently. Group `g`
+takes row `g mod rows`: epochs in file order, so a worker restarted at a later step picks
+up the same prompts for the same group indexes.
+
+Gateway (`--prompts-from URL`): `POST /v1/runs/{run}/prompts?count=N&step=S` hands out
+the next N groups of the run's dataset with the same Miles semantics (seeded shuffle per
+epoch, recycled groups first, a cursor that survives restarts); the gateway numbers the
+groups and publishes their `group_started` itself.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
 from ingest.io.kafka import MAX_EVENT_BYTES
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, RolloutlakeError
 
 
 @dataclass(frozen=True)
@@ -47,3 +53,70 @@ def load_prompts(path: Path, options: DatasetOptions, tokenizer: Any) -> list[Pr
     encoded = tokenizer([text for text, _, _ in rows], add_special_tokens=False)["input_ids"]
     return [Prompt(text, label, metadata, list(tokens))
             for (text, label, metadata), tokens in zip(rows, encoded, strict=True)]
+
+
+@dataclass(frozen=True)
+class IssuedGroup:
+    group_index: int
+    prompt: Prompt
+    started: bool  # its group_started is already published (by the gateway)
+
+
+class DatasetPrompts:
+    """Group `g` takes row `g mod rows` of the dataset file."""
+
+    def __init__(self, prompts: list[Prompt]):
+        self.prompts = prompts
+
+    async def take(self, step: int, first_group: int, count: int) -> list[IssuedGroup]:
+        return [IssuedGroup(g, self.prompts[g % len(self.prompts)], started=False)
+                for g in range(first_group, first_group + count)]
+
+    async def aclose(self) -> None:
+        pass
+
+
+class GatewayPrompts:
+    """The run's next prompt groups from `POST /v1/runs/{run}/prompts`; the gateway picks
+    the group indexes (`first_group` is ignored)."""
+
+    def __init__(self, url: str, run: str, token: str | None, tokenizer: Any,
+                 n_samples: int, timeout_s: float = 60.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers,
+                                        timeout=timeout_s)
+        self.run = run
+        self.tokenizer = tokenizer
+        self.n_samples = n_samples
+
+    async def take(self, step: int, first_group: int, count: int) -> list[IssuedGroup]:
+        path = f"/v1/runs/{self.run}/prompts"
+        try:
+            answer = await self.client.post(path, params={"count": count, "step": step})
+        except httpx.HTTPError as err:
+            raise RolloutlakeError(f"--prompts-from: no answer from {self.client.base_url}: "
+                                   f"{err}") from None
+        if answer.status_code != 200:
+            raise RolloutlakeError(f"--prompts-from: POST {path} answered "
+                                   f"{answer.status_code}: {answer.text[:300]}")
+        groups = answer.json()["groups"]
+        for group in groups:
+            if not isinstance(group["prompt"], str):
+                raise RolloutlakeError(f"--prompts-from: group {group['group_index']} holds "
+                                       "chat messages; the worker takes string prompts")
+            if group["n_samples"] != self.n_samples:
+                raise RolloutlakeError(
+                    f"--prompts-from: the run serves {group['n_samples']} samples per prompt,"
+                    f" the worker was given --n-samples-per-prompt {self.n_samples}")
+        encoded = self.tokenizer([g["prompt"] for g in groups],
+                                 add_special_tokens=False)["input_ids"] if groups else []
+        return [IssuedGroup(g["group_index"],
+                            Prompt(g["prompt"], g["label"], g["metadata"], list(tokens)),
+                            started=True)
+                for g, tokens in zip(groups, encoded, strict=True)]
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+PromptSource = DatasetPrompts | GatewayPrompts

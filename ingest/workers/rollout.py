@@ -1,7 +1,11 @@
 """The rollout loop: prompt groups -> one engine request per sample -> reward -> events.
 
-Per step the worker issues `groups_per_step` groups; each group is a `group_started` and
-`n_samples_per_prompt` engine requests, each with its own request id. A finished sample
+Per step the worker issues a round of `groups_per_step` groups; each group is a
+`group_started` and `n_samples_per_prompt` engine requests, each with its own request id.
+It is Miles' dynamic-sampling controller: when the processor's `demand` for a step says
+that kept plus in-flight groups cannot reach `rollout_batch_size` (counting the groups
+this worker issued that the processor has not seen yet), it issues another round for that
+step, at any time until the step seals, also while later steps run. A finished sample
 is scored by the Miles reward function and published as one `sample_finished` carrying
 the engine's tokens and log-probs; a sample the engine could not finish is a
 `sample_aborted(reason="engine_error")`, so its group is dropped, never stuck.
@@ -31,16 +35,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
 from ingest.core.filters import FilterArgs, MilesSample, SampleStatus
 from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.engines import Engine, EngineError, Generation, Sampling
-from ingest.workers.prompts import Prompt
-from schemas.control import StepSealed, WeightsUpdated
+from ingest.workers.prompts import IssuedGroup, Prompt, PromptSource
+from schemas.control import Demand, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 0.5
+# Groups of step s's extra rounds are numbered from EXTRA_GROUPS * (s + 1): above the first
+# rounds' `s * groups_per_step` of any step, and apart from every other step's extras.
+EXTRA_GROUPS = 2**32
 
 
 @dataclass(slots=True)
@@ -87,6 +98,10 @@ class Progress:
     response_tokens: int = 0
     engine_errors: int = 0
     last_engine_error: str | None = None
+    extra_rounds: int = 0  # rounds issued on a `demand`, beyond each step's first
+    rounds_past_cap: int = 0  # of those, rounds beyond --max-over-sampling-rounds
+    kept: dict[int, int] = field(default_factory=dict)  # step -> kept groups, last heard
+    decided_not_kept: dict[int, int] = field(default_factory=dict)  # step -> last heard
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -94,10 +109,12 @@ class Progress:
         return self.response_tokens / max(time.monotonic() - self.started, 1e-9)
 
     def line(self, step: int) -> str:
-        return (f"step {step}: groups issued {self.groups_issued}, samples finished "
-                f"{self.samples_finished}, aborted {self.samples_aborted}, cancelled at seal "
-                f"{self.samples_cancelled}, in flight "
-                f"{self.in_flight}, {self.tokens_per_s:,.0f} tokens/s")
+        return (f"step {step} | groups {self.groups_issued} issued, "
+                f"{sum(self.kept.values())} kept, {sum(self.decided_not_kept.values())} "
+                f"dropped, {self.extra_rounds} extra rounds | requests {self.in_flight} in "
+                f"flight | samples {self.samples_finished} finished, {self.samples_aborted} "
+                f"aborted, {self.samples_cancelled} cancelled at seal | "
+                f"{self.tokens_per_s:,.0f} tokens/s")
 
 
 class RolloutWorker:
@@ -105,7 +122,7 @@ class RolloutWorker:
 
     def __init__(self, config: WorkerConfig, *, publisher: RolloutPublisher,
                  engines: list[Engine], tokenizer: Any, reward_fn: Callable[..., Any],
-                 prompts: list[Prompt], terminal: TextIO | None = None):
+                 prompts: PromptSource, terminal: TextIO | None = None):
         self.config = config
         self.publisher = publisher
         self.engines = engines
@@ -130,13 +147,65 @@ class RolloutWorker:
         self._serving.set()
         self._reloads = asyncio.Lock()
         self._new_weights = asyncio.Condition()  # notified when weight_version rises
+        self._issued: dict[int, int] = {}  # step -> groups issued
+        self._rounds: dict[int, int] = {}  # step -> rounds issued
+        self._groups: dict[int, set[asyncio.Task[None]]] = defaultdict(set)  # step -> running
+        self._last_heard = time.monotonic()  # last control message or finished round
+        self._news = asyncio.Event()  # set on each of those
 
-    def on_control(self, message: StepSealed | WeightsUpdated) -> None:
+    def on_control(self, message: StepSealed | Demand | WeightsUpdated) -> None:
         """A `rollout.control` message of this run (call on the loop)."""
+        self._heard()
         if isinstance(message, StepSealed):
             self.step_sealed(message.step)
+        elif isinstance(message, Demand):
+            self.demand(message)
         else:
             self._in_background(self._reload(message))
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        self._news.set()
+
+    def demand(self, message: Demand) -> None:
+        """The processor's need for groups of a step: issue another round while kept plus
+        in-flight groups, those it has not seen yet included, cannot fill the batch."""
+        step = message.step
+        if step in self._sealed or step not in self._issued:
+            return  # sealed, or a step of another worker run
+        self.progress.kept[step] = message.kept
+        if message.in_flight is not None and message.issued is not None:
+            self.progress.decided_not_kept[step] = (message.issued - message.kept
+                                                    - message.in_flight)
+        seen = self._issued[step] if message.issued is None else message.issued
+        unseen = max(0, self._issued[step] - seen)
+        if message.groups_needed - unseen > 0:
+            self._issue_round(step)
+
+    def _issue_round(self, step: int) -> None:
+        """Issue `groups_per_step` groups for `step` (Miles' over-sampling round)."""
+        per_step = self.config.groups_per_step
+        rounds = self._rounds[step] = self._rounds.get(step, 0) + 1
+        if rounds == 1:
+            first = step * per_step
+        else:
+            first = EXTRA_GROUPS * (step + 1) + (rounds - 2) * per_step
+            self.progress.extra_rounds += 1
+            cap = self.config.max_over_sampling_rounds
+            if rounds > cap:
+                self.progress.rounds_past_cap += 1
+                log.warning("step %d: over-sampling round %d, past --max-over-sampling-rounds "
+                            "%d; the filter keeps few groups (still issuing until it seals)",
+                            step, rounds, cap)
+        self._issued[step] = self._issued.get(step, 0) + per_step
+        task = asyncio.create_task(self._run_round(step, first, per_step))
+        self._groups[step].add(task)
+        task.add_done_callback(self._groups[step].discard)
+        task.add_done_callback(lambda _task: self._heard())
+
+    async def _run_round(self, step: int, first: int, count: int) -> None:
+        groups = await self.prompts.take(step, first, count)
+        await asyncio.gather(*(self._run_group(step, group) for group in groups))
 
     def _in_background(self, work: Any) -> None:
         task = asyncio.create_task(work)
@@ -170,6 +239,8 @@ class RolloutWorker:
         if step in self._sealed:
             return
         self._sealed.add(step)
+        if step in self._issued:
+            self.progress.kept[step] = self.config.rollout_batch_size
         request_ids = sorted(self._in_flight.get(step, ()))
         self._cancelled.update(request_ids)
         log.info("step %d sealed: aborting %d requests in flight", step, len(request_ids))
@@ -187,7 +258,8 @@ class RolloutWorker:
     async def run(self) -> Progress:
         await self._check_engines()
         self.progress = Progress()  # tokens/s counts from the first request
-        if self.config.publish_run_started:
+        # With --prompts-from, the run's `run_started` is the gateway's, with its dataset.
+        if self.config.publish_run_started and self.config.prompts_from is None:
             self.publisher.run_started(self.config.run, self.config.run_config(),
                                        dataset=str(self.config.prompt_data))
         drawing = asyncio.create_task(self._draw()) if self.terminal else None
@@ -198,10 +270,11 @@ class RolloutWorker:
                 await self._wait_for_weights(step)
                 await self._run_step(step)
                 log.info("%s", self.progress.line(step))
+            await self._wait_for_seals()
         finally:
             if drawing is not None:
                 drawing.cancel()
-                self._print_progress(end="\n")
+                await asyncio.gather(drawing, return_exceptions=True)  # leaves the last line
             self.publisher.flush()
         return self.progress
 
@@ -224,16 +297,43 @@ class RolloutWorker:
             await self._new_weights.wait_for(lambda: self.weight_version >= needed)
 
     async def _run_step(self, step: int) -> None:
-        per_step = self.config.groups_per_step
-        first = step * per_step
-        await asyncio.gather(*(self._run_group(step, g) for g in range(first, first + per_step)))
+        """Issue the step's first round and wait for its groups, and for those of any
+        round a `demand` adds meanwhile."""
+        self._issue_round(step)
+        await self._groups_done(step)
 
-    async def _run_group(self, step: int, group_index: int) -> None:
-        prompt = self.prompts[group_index % len(self.prompts)]
+    async def _groups_done(self, step: int) -> None:
+        while running := set(self._groups[step]):
+            done, _ = await asyncio.wait(running)
+            for task in done:
+                task.result()  # a group that failed fails the worker, as before
+
+    async def _wait_for_seals(self) -> None:
+        """Follow the demand of the steps not sealed yet, until all are or the processor
+        has been quiet for --seal-wait-s."""
+        while True:
+            for step in list(self._groups):
+                await self._groups_done(step)
+            open_steps = sorted(set(self._issued) - self._sealed)
+            quiet = time.monotonic() - self._last_heard
+            if not open_steps or quiet >= self.config.seal_wait_s:
+                if open_steps:
+                    log.info("steps %s not sealed after %.0f s without news from the "
+                             "processor; exiting", open_steps, quiet)
+                return
+            self._news.clear()
+            try:
+                await asyncio.wait_for(self._news.wait(), self.config.seal_wait_s - quiet)
+            except TimeoutError:
+                pass
+
+    async def _run_group(self, step: int, group: IssuedGroup) -> None:
+        group_index, prompt = group.group_index, group.prompt
         n = self.config.n_samples_per_prompt
-        self.publisher.group_started(
-            self.config.run, group_index=group_index, step=step, n_samples=n,
-            prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
+        if not group.started:
+            self.publisher.group_started(
+                self.config.run, group_index=group_index, step=step, n_samples=n,
+                prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
         self.progress.groups_issued += 1
         await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
                                for r in range(n)))
@@ -315,11 +415,17 @@ class RolloutWorker:
         self.progress.response_tokens += len(generation.tokens)
 
     async def _draw(self) -> None:
-        while True:
-            self._print_progress()
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
+        """Redraw the progress line on the terminal, cut to its width."""
+        console = Console(file=self.terminal)
+        with Live(self._progress_text(), console=console,
+                  auto_refresh=False, redirect_stdout=False) as live:
+            while True:
+                live.update(self._progress_text(), refresh=True)
+                try:
+                    await asyncio.sleep(PROGRESS_INTERVAL_S)
+                except asyncio.CancelledError:
+                    live.update(self._progress_text(), refresh=True)
+                    raise
 
-    def _print_progress(self, end: str = "") -> None:
-        assert self.terminal is not None
-        self.terminal.write("\r\x1b[2K" + self.progress.line(self._step) + end)
-        self.terminal.flush()
+    def _progress_text(self) -> Text:
+        return Text(self.progress.line(self._step), no_wrap=True, overflow="ellipsis")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from schemas.control import WeightsUpdated
 from schemas.events import parse_event
 from tests.integration.pipeline import by_group, rows, run_processor
 from tests.support.engine_under_test import engine_flags, engine_under_test
+from tests.support.gateway_support import RunningGateway, gateway_config, unique_run
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
@@ -98,6 +100,7 @@ def reload(url: str, path: Path, version: int) -> None:
 def torch_log_probs(model_dir: Path, prompt: list[int], response: list[int]) -> list[float]:
     """Log-probs of `response` after `prompt` under the folder's weights, in plain torch."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt, response = list(map(int, prompt)), list(map(int, response))  # also numpy arrays
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1]
@@ -196,9 +199,11 @@ def test_worker_samples_reach_training_batches_as_the_engine_made_them(
     for row in batch:
         event = finished[(row["group_index"], row["rollout_id"])]
         prompt = tokenizer(prompts[row["group_index"]], add_special_tokens=False)["input_ids"]
-        assert row["prompt_tokens"] == event.prompt_tokens == prompt
-        assert row["response_tokens"] == event.response_tokens
-        assert row["rollout_log_probs"] == pytest.approx(event.rollout_log_probs, abs=1e-6)
+        # Events decode token arrays as numpy arrays (typed binary arrays on the wire).
+        assert row["prompt_tokens"] == event.prompt_tokens.tolist() == prompt
+        assert row["response_tokens"] == event.response_tokens.tolist()
+        assert row["rollout_log_probs"] == pytest.approx(event.rollout_log_probs.tolist(),
+                                                         abs=1e-6)
         assert row["rollout_log_probs"] == pytest.approx(
             torch_log_probs(engine.tiny_dir, prompt, row["response_tokens"]), abs=2e-3)
         assert row["loss_mask"] == [1] * len(row["response_tokens"])
@@ -323,6 +328,97 @@ def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
         assert event.rollout_log_probs == pytest.approx(
             torch_log_probs(engine.tiny_dir, event.prompt_tokens, event.response_tokens),
             abs=2e-3)
+
+
+def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals(
+        engine, kafka, lake_root, tmp_path):
+    """Two groups per round for a batch of two, and the DAPO filter keeps only groups
+    whose index divides by 3: step 0's first round (groups 0, 1) keeps one, its second
+    (2**32 + 0, 1) none, so it seals only after a third round, past a cap of 2; step 1
+    (groups 2, 3, then 2 * 2**32 + 0, 1) keeps one in each of its first two. The worker issues them on the
+    processor's `demand`."""
+    run_id = "dynamic-sampling"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
+                             "--rollout-batch-size", "2", "--over-sampling-batch-size", "2",
+                             "--num-steps", "2", "--max-new-tokens", "4",
+                             "--max-over-sampling-rounds", "2", "--seal-wait-s", "120",
+                             "--dynamic-sampling-filter-path",
+                             "ingest.core.filters.reward_nonzero_std")
+    command[command.index(REWARD_PATH)] = "tests.support.user_rewards.spread_only_every_third_group"
+    worker = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err[-2000:]
+        processor.communicate(timeout=300)
+    finally:
+        for process in (worker, processor):
+            if process.poll() is None:
+                process.kill()
+    assert "past --max-over-sampling-rounds 2" in err
+    extra, past_cap = (int(n) for n in re.search(
+        r"(\d+) extra over-sampling rounds \((\d+) past the cap\)", out).groups())
+    assert extra >= 3 and past_cap >= 1
+
+    assert sorted(s["step"] for s in rows(lake_root, "steps", run_id)) == [0, 1]
+    groups = by_group(lake_root, run_id)
+    kept = sorted(g for g, row in groups.items() if row["decision"] == "kept")
+    assert all(g % 3 == 0 for g in kept) and len(kept) == 4
+    assert {g: groups[g]["batch_step"] for g in kept} == {0: 0, 3: 1, 2**32 + 2: 0,
+                                                          2 * 2**32 + 1: 1}
+    reasons = {groups[g]["reason"] for g in groups if g % 3}
+    assert "zero_std_0.0" in reasons and reasons <= {"zero_std_0.0", "cancelled_at_seal"}
+
+
+def test_worker_takes_its_prompt_groups_from_the_gateway(
+        engine, tokenizer, kafka, lake_root, tmp_path):
+    """`--prompts-from`: the gateway numbers the groups, publishes their `group_started`
+    and `run_started`; the worker generates and scores them, with the token from the
+    environment."""
+    inputs = ["1+1=", "2+3=", "7-4="]
+    config = gateway_config(kafka, lake_root, tmp_path / "state")
+    with RunningGateway(config) as gateway, gateway.client() as client:
+        body = "".join(json.dumps({"input": i, "label": "x"}) + "\n" for i in inputs)
+        client.post("/v1/datasets/sums", params={"filename": "s.jsonl", "label_key": "label"},
+                    content=body).raise_for_status()
+        run_id = unique_run()
+        client.post("/v1/runs", json={"run_id": run_id, "dataset": "sums", "config": {
+            "n_samples_per_prompt": 2, "rollout_batch_size": 2, "rollout_seed": 3,
+        }}).raise_for_status()
+        command = worker_command(engine, kafka, run_id, tmp_path / "unused.jsonl",
+                                 "--n-samples-per-prompt", "2", "--rollout-batch-size", "2",
+                                 "--num-steps", "2", "--max-new-tokens", "4",
+                                 "--seal-wait-s", "0")
+        at = command.index("--prompt-data")
+        command[at:at + 2] = ["--prompts-from", gateway.url]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "ROLLOUTLAKE_GATEWAY_TOKEN": "run-a-writer"})
+        assert done.returncode != 0 and "answered 403" in done.stderr.strip().splitlines()[-1]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "ROLLOUTLAKE_GATEWAY_TOKEN": "admin-token"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        cursor = client.get(f"/v1/runs/{run_id}/prompts/cursor").json()
+    assert "worker done: 4 groups, 8 samples finished" in done.stdout
+    assert cursor["next_group_index"] == 4
+
+    events = published(kafka, run_id)
+    started = [e for e in events if e.type == "group_started"]
+    assert sorted(e.group_index for e in started) == [0, 1, 2, 3]  # the gateway's, once each
+    assert all(e.event_id == f"{run_id}/group_started/{e.group_index}" for e in started)
+    finished = [e for e in events if e.type == "sample_finished"]
+    assert sorted((e.group_index, e.rollout_id) for e in finished) == [
+        (g, r) for g in range(4) for r in range(2)]
+    prompt_of = {e.group_index: e.prompt for e in started}
+    assert set(prompt_of.values()) <= set(inputs)
+    for event in finished:
+        assert event.prompt_tokens.tolist() == tokenizer(
+            prompt_of[event.group_index], add_special_tokens=False)["input_ids"]
 
 
 def process_tree(pid: int) -> set[int]:

@@ -115,6 +115,11 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
      "rolloutlake worker: --max-staleness: Input should be greater than or equal to 0"),
     (("--n-samples-per-prompt", "0"),
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
+    (("--prompts-from", "http://127.0.0.1:1"),
+     "rolloutlake worker: give exactly one of --prompt-data and --prompts-from"),
+    (("--max-over-sampling-rounds", "0"),
+     "rolloutlake worker: --max-over-sampling-rounds: Input should be greater than or equal "
+     "to 1"),
 ])
 def test_worker_flag_errors_name_the_flag(kafka, worker_inputs, change, expected):
     assert refused(*worker_args(kafka, *worker_inputs, *change)) == expected

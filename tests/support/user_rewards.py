@@ -8,3 +8,9 @@ async def digit_share_or_raise(args, sample):
     if sample.label == "boom":
         raise RuntimeError("the scorer crashed")
     return sum(ch.isdigit() for ch in sample.response) / max(len(sample.response), 1)
+
+
+async def spread_only_every_third_group(args, sample):
+    """1 for rollout 0 of groups whose index divides by 3, else 0: every other group has
+    zero reward std, so the DAPO filter drops two groups of three."""
+    return float(sample.group_index % 3 == 0 and sample.rollout_id == 0)

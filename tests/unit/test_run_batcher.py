@@ -68,3 +68,41 @@ def test_a_step_seals_at_the_batch_size_it_opened_with_after_a_config_lowers_it(
     assert [(s.step, s.n_groups) for s in sealed] == [(0, 3)]
     sealed = batcher.offer(_group(3, 1), now=3.0).sealed
     assert [(s.step, s.n_groups) for s in sealed] == [(1, 1)]
+
+
+def _opened(batcher: RunBatcher, step: int, *group_indexes: int) -> None:
+    for group_index in group_indexes:
+        batcher.open(group_index, step, at=0.0)
+
+
+def test_demand_counts_the_groups_a_step_still_needs_after_each_decision():
+    """Batch of 2, 3 groups issued: a drop leaves 0 kept + 2 in flight (enough), the next
+    drop 1 short, a kept group keeps it 1 short (reported once), the last drop 2 short."""
+    batcher = _batcher(rollout_batch_size=2)
+    _opened(batcher, 0, 0, 1, 2)
+    seen = []
+    for group_index, decision in ((0, "dropped"), (1, "dropped"), (2, "kept")):
+        seen.append([(d.step, d.groups_needed, d.kept, d.in_flight, d.issued)
+                     for d in batcher.offer(_group(group_index, 0, decision), now=1.0).demands])
+    assert seen == [[(0, 0, 0, 2, 3)], [(0, 1, 0, 1, 3)], [(0, 1, 1, 0, 3)]]
+    _opened(batcher, 0, 3, 4)
+    assert [(d.groups_needed, d.in_flight, d.issued) for d in
+            batcher.offer(_group(3, 0, "dropped"), now=2.0).demands] == [(0, 1, 5)]
+
+
+def test_a_demand_with_the_same_need_and_kept_count_is_not_reported_again():
+    """Batch of 2, 4 groups issued: the first drop still leaves 3 in flight, 0 needed,
+    0 kept, which was reported; the second drop changes neither."""
+    batcher = _batcher(rollout_batch_size=2)
+    _opened(batcher, 0, 0, 1, 2, 3)
+    assert [d.groups_needed for d in
+            batcher.offer(_group(0, 0, "dropped"), now=0.0).demands] == [0]
+    assert batcher.offer(_group(1, 0, "dropped"), now=1.0).demands == []
+
+
+def test_a_sealed_step_reports_no_demand():
+    batcher = _batcher(rollout_batch_size=1)
+    _opened(batcher, 0, 0, 1)
+    effects = batcher.offer(_group(0, 0), now=0.0)
+    assert [s.step for s in effects.sealed] == [0] and effects.demands == []
+    assert batcher.offer(_group(1, 0, "dropped"), now=1.0).demands == []
