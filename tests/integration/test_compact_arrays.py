@@ -29,19 +29,7 @@ from tests.integration.pipeline import (
     run_processor,
     sample,
 )
-
-
-def _b64(values: Any, dtype: str) -> str:
-    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()
-
-
-def compact(body: dict[str, Any], fields: Any = TOKEN_FIELDS) -> dict[str, Any]:
-    out = dict(body)
-    for name in fields:
-        if out.get(name) is not None:
-            kind = TOKEN_FIELDS[name]
-            out[name] = {"dtype": kind.dtype, "b64": _b64(out[name], kind.numpy.str)}
-    return out
+from tests.support.token_forms import b64, compact
 
 
 def _table(lake: Lake, name: str, run_id: str, sort: list[str]) -> list[dict[str, Any]]:
@@ -128,14 +116,14 @@ def test_malformed_compact_arrays_are_dead_lettered_naming_the_field(kafka, lake
     config = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
     poison = {
         "response_tokens.b64": {"response_tokens": {"dtype": "int32", "b64": "AAA*"}},
-        "prompt_tokens.dtype": {"prompt_tokens": {"dtype": "int64", "b64": _b64([1, 2], "<i8")}},
+        "prompt_tokens.dtype": {"prompt_tokens": {"dtype": "int64", "b64": b64([1, 2], "<i8")}},
         "rollout_log_probs.b64": {"rollout_log_probs": {"dtype": "float32",
                                                         "b64": base64.b64encode(b"\0" * 15).decode()}},
-        "loss_mask": {"loss_mask": {"dtype": "int8", "b64": _b64([1, 1], "<i1")}},
+        "loss_mask": {"loss_mask": {"dtype": "int8", "b64": b64([1, 1], "<i1")}},
         "rollout_log_probs.2": {"rollout_log_probs": {"dtype": "float32",
-                                                      "b64": _b64([0, 0, math.nan, 0], "<f4")}},
-        "response_tokens.1": {"response_tokens": {"dtype": "int32", "b64": _b64([10, -3, 12, 13], "<i4")}},
-        "loss_mask.0": {"loss_mask": {"dtype": "int8", "b64": _b64([7, 1, 1, 1], "<i1")}},
+                                                      "b64": b64([0, 0, math.nan, 0], "<f4")}},
+        "response_tokens.1": {"response_tokens": {"dtype": "int32", "b64": b64([10, -3, 12, 13], "<i4")}},
+        "loss_mask.0": {"loss_mask": {"dtype": "int8", "b64": b64([7, 1, 1, 1], "<i1")}},
     }
 
     def valid(run_id: str) -> list[dict[str, Any]]:

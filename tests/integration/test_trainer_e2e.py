@@ -80,6 +80,16 @@ def reference_runs(tmp_path_factory) -> dict[int, Path]:
     return roots
 
 
+def one_line_exit(process, tmp_path) -> str:
+    """The trainer exited 2 with one `rolloutlake trainer:` line and no traceback."""
+    assert process.wait(timeout=START_TIMEOUT_S) == 2
+    output = (tmp_path / "trainer.log").read_text()
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_each_sealed_step_is_trained_once_and_recorded(reference_runs, stage):
     root = reference_runs[stage]
@@ -161,12 +171,8 @@ def test_missing_batch_file_stops_the_trainer_with_one_line(tmp_path):
     for path in (tmp_path / "lake" / "training_batches").rglob("*.parquet"):
         path.unlink()
     process = start_trainer(tmp_path, 0)
-    assert process.wait(timeout=START_TIMEOUT_S) == 2
-    output = (tmp_path / "trainer.log").read_text()
-    assert "Traceback" not in output
-    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
-    assert len(errors) == 1
-    assert f"run {RUN} step 1" in errors[0] and "missing" in errors[0]
+    error = one_line_exit(process, tmp_path)
+    assert f"run {RUN} step 1" in error and "missing" in error
     assert lake.read("trainer_steps").num_rows == 0
 
 
@@ -177,10 +183,6 @@ def test_changed_next_step_stops_the_trainer_after_the_step_before_it(tmp_path):
     seal_step(lake, random_step(RUN, 1, seed=7))
     seal_step(lake, random_step(RUN, 2, seed=7), sha256="0" * 64)
     process = start_trainer(tmp_path, 0)
-    assert process.wait(timeout=START_TIMEOUT_S) == 2
-    output = (tmp_path / "trainer.log").read_text()
-    assert "Traceback" not in output
-    errors = [line for line in output.splitlines() if line.startswith("rolloutlake trainer:")]
-    assert len(errors) == 1
-    assert f"run {RUN} step 2" in errors[0] and "changed after sealing" in errors[0]
+    error = one_line_exit(process, tmp_path)
+    assert f"run {RUN} step 2" in error and "changed after sealing" in error
     assert [row["step"] for row in trainer_rows(lake)] == [1]

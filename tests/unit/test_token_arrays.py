@@ -20,23 +20,9 @@ from ingest.core.filters import miles_group
 from schemas.errors import EventValidationError
 from schemas.events import EVENT_MODELS, RunConfig, decode_event, encode_event
 from schemas.token_arrays import TOKEN_FIELDS
+from tests.support.token_forms import b64, compact
 
 N_SAMPLES = 2
-
-
-def _b64(values, dtype: str) -> str:
-    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()
-
-
-def compact(body: dict, fields=TOKEN_FIELDS) -> dict:
-    """`body` with the given per-token fields written in the compact form (by hand, little-
-    endian, as another language's producer would), the others left as JSON lists."""
-    out = dict(body)
-    for name in fields:
-        if out.get(name) is not None:
-            kind = TOKEN_FIELDS[name]
-            out[name] = {"dtype": kind.dtype, "b64": _b64(out[name], kind.numpy.str)}
-    return out
 
 
 def _fragment_body(draw, rollout_id: int, kind: str, fragment_index: int, count: int) -> dict:
@@ -125,9 +111,9 @@ def test_the_sdk_form_is_compact_and_decodes_back():
             "rollout_log_probs": [-0.5, -1.25, 0.0], "reward": 1.0}
     event = decode_event(orjson.dumps(body))
     wire = orjson.loads(encode_event(event))
-    assert wire["response_tokens"] == {"dtype": "int32", "b64": _b64([7, 8, 2**31 - 1], "<i4")}
-    assert wire["loss_mask"] == {"dtype": "int8", "b64": _b64([0, 1, 1], "<i1")}
-    assert wire["rollout_log_probs"] == {"dtype": "float32", "b64": _b64([-0.5, -1.25, 0], "<f4")}
+    assert wire["response_tokens"] == {"dtype": "int32", "b64": b64([7, 8, 2**31 - 1], "<i4")}
+    assert wire["loss_mask"] == {"dtype": "int8", "b64": b64([0, 1, 1], "<i1")}
+    assert wire["rollout_log_probs"] == {"dtype": "float32", "b64": b64([-0.5, -1.25, 0], "<f4")}
     again = decode_event(encode_event(event))
     assert again.response_tokens.tolist() == body["response_tokens"]
     assert again.rollout_log_probs.tolist() == body["rollout_log_probs"]
@@ -136,8 +122,8 @@ def test_the_sdk_form_is_compact_and_decodes_back():
 def _sample_with(**fields) -> bytes:
     body = {"event_id": "bad", "type": "sample_finished", "schema_version": 1, "run_id": "r",
             "group_index": 0, "rollout_id": 0, "status": "completed", "reward": 1.0,
-            "prompt_tokens": {"dtype": "int32", "b64": _b64([1, 2], "<i4")},
-            "response_tokens": {"dtype": "int32", "b64": _b64([3, 4, 5], "<i4")}}
+            "prompt_tokens": {"dtype": "int32", "b64": b64([1, 2], "<i4")},
+            "response_tokens": {"dtype": "int32", "b64": b64([3, 4, 5], "<i4")}}
     body.update(fields)
     return orjson.dumps(body)
 
@@ -146,23 +132,23 @@ def _sample_with(**fields) -> bytes:
 MALFORMED = [
     ("bad base64", {"response_tokens": {"dtype": "int32", "b64": "AAA*"}},
      "response_tokens.b64", "not valid base64"),
-    ("wrong dtype", {"prompt_tokens": {"dtype": "int64", "b64": _b64([1], "<i8")}},
+    ("wrong dtype", {"prompt_tokens": {"dtype": "int64", "b64": b64([1], "<i8")}},
      "prompt_tokens.dtype", "'int64' is not 'int32'"),
     ("length not a multiple of the item size",
      {"response_tokens": {"dtype": "int32", "b64": base64.b64encode(b"\x01\x00\x00\x00\x02").decode()}},
      "response_tokens.b64", "5 bytes is not a whole number of int32 values"),
-    ("mask shorter than the response", {"loss_mask": {"dtype": "int8", "b64": _b64([1, 1], "<i1")}},
+    ("mask shorter than the response", {"loss_mask": {"dtype": "int8", "b64": b64([1, 1], "<i1")}},
      "loss_mask", "loss_mask has 2 entries but response_tokens has 3"),
     ("log-probs longer than the response",
-     {"rollout_log_probs": {"dtype": "float32", "b64": _b64([0, 0, 0, 0], "<f4")}},
+     {"rollout_log_probs": {"dtype": "float32", "b64": b64([0, 0, 0, 0], "<f4")}},
      "rollout_log_probs", "rollout_log_probs has 4 entries but response_tokens has 3"),
-    ("NaN log-prob", {"rollout_log_probs": {"dtype": "float32", "b64": _b64([0, math.nan, 0], "<f4")}},
+    ("NaN log-prob", {"rollout_log_probs": {"dtype": "float32", "b64": b64([0, math.nan, 0], "<f4")}},
      "rollout_log_probs.1", "finite"),
-    ("infinite log-prob", {"rollout_log_probs": {"dtype": "float32", "b64": _b64([-math.inf, 0, 0], "<f4")}},
+    ("infinite log-prob", {"rollout_log_probs": {"dtype": "float32", "b64": b64([-math.inf, 0, 0], "<f4")}},
      "rollout_log_probs.0", "finite"),
-    ("negative token", {"prompt_tokens": {"dtype": "int32", "b64": _b64([1, -7], "<i4")}},
+    ("negative token", {"prompt_tokens": {"dtype": "int32", "b64": b64([1, -7], "<i4")}},
      "prompt_tokens.1", "greater than or equal to 0"),
-    ("mask value 2", {"loss_mask": {"dtype": "int8", "b64": _b64([1, 2, 0], "<i1")}},
+    ("mask value 2", {"loss_mask": {"dtype": "int8", "b64": b64([1, 2, 0], "<i1")}},
      "loss_mask.1", "0 or 1"),
     ("extra key", {"response_tokens": {"dtype": "int32", "b64": "", "endian": "big"}},
      "response_tokens", "exactly the keys 'dtype' and 'b64'"),
@@ -180,7 +166,7 @@ def test_a_malformed_compact_array_is_refused_naming_the_field(fields, field, wo
     if fields is None:
         raw = orjson.dumps({"event_id": "bad", "type": "sample_aborted", "schema_version": 1,
                             "run_id": "r", "group_index": 0, "rollout_id": 0, "reason": "x",
-                            "response_tokens": {"dtype": "int32", "b64": _b64([-1], "<i4")}})
+                            "response_tokens": {"dtype": "int32", "b64": b64([-1], "<i4")}})
     else:
         raw = _sample_with(**fields)
     with pytest.raises(EventValidationError) as caught:
@@ -197,8 +183,8 @@ def test_the_json_schema_takes_both_forms_and_refuses_a_wrong_dtype():
     listed = orjson.loads(_sample_with(prompt_tokens=[1, 2], response_tokens=[3],
                                        loss_mask=[1], rollout_log_probs=[-0.5]))
     packed = orjson.loads(_sample_with(
-        loss_mask={"dtype": "int8", "b64": _b64([1, 1, 0], "<i1")},
-        rollout_log_probs={"dtype": "float32", "b64": _b64([0, 0, 0], "<f4")}))
+        loss_mask={"dtype": "int8", "b64": b64([1, 1, 0], "<i1")},
+        rollout_log_probs={"dtype": "float32", "b64": b64([0, 0, 0], "<f4")}))
     assert list(validator.iter_errors(listed)) == []
     assert list(validator.iter_errors(packed)) == []
     wrong = {**packed, "loss_mask": {"dtype": "float32", "b64": ""}}
@@ -214,8 +200,8 @@ def test_user_filters_get_python_lists_and_the_built_in_filter_no_token_lists():
                                              "schema_version": 1, "run_id": "r",
                                              "group_index": 0, "step": 0, "n_samples": 1})))
     builder.apply(decode_event(_sample_with(
-        loss_mask={"dtype": "int8", "b64": _b64([1, 0, 1], "<i1")},
-        rollout_log_probs={"dtype": "float32", "b64": _b64([-0.5, -0.25, 0], "<f4")})))
+        loss_mask={"dtype": "int8", "b64": b64([1, 0, 1], "<i1")},
+        rollout_log_probs={"dtype": "float32", "b64": b64([-0.5, -0.25, 0], "<f4")})))
     (full,) = miles_group(builder.group)
     assert full.tokens == [1, 2, 3, 4, 5] and type(full.tokens[0]) is int
     assert full.loss_mask == [1, 0, 1] and full.rollout_log_probs == [-0.5, -0.25, 0.0]
