@@ -52,13 +52,7 @@ class RolloutPublisher:
 
     def build(self, event_type: str, run_id: str, **fields: Any) -> AnyEvent:
         """Validate one event given its fields; fills `event_id`, `schema_version`, `ts`."""
-        body = {k: v for k, v in fields.items() if v is not _UNSET}
-        body.setdefault("event_id", uuid.uuid4().hex)
-        body.setdefault("ts", time.time())
-        if self.producer_id is not None:
-            body.setdefault("producer", self.producer_id)
-        body.update(type=event_type, run_id=run_id, schema_version=SCHEMA_VERSION)
-        return parse_event(body)
+        return build_event(event_type, run_id, producer_id=self.producer_id, **fields)
 
     def publish(self, event: AnyEvent) -> FutureRecordMetadata:
         """Send one validated event to its topic; returns the Kafka future.
@@ -166,6 +160,19 @@ class RolloutPublisher:
         event = self.build(event_type, run_id, **fields)
         self.publish(event)
         return event
+
+
+def build_event(event_type: str, run_id: str, *, producer_id: str | None = None,
+                **fields: Any) -> AnyEvent:
+    """One validated event from its fields (those left unset are left out); fills `event_id`,
+    `schema_version`, `ts` and `producer`. EventValidationError names a bad field."""
+    body = {k: v for k, v in fields.items() if v is not _UNSET}
+    body.setdefault("event_id", uuid.uuid4().hex)
+    body.setdefault("ts", time.time())
+    if producer_id is not None:
+        body.setdefault("producer", producer_id)
+    body.update(type=event_type, run_id=run_id, schema_version=SCHEMA_VERSION)
+    return parse_event(body)
 
 
 def _opt(value: Any) -> Any:
