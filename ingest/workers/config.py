@@ -115,6 +115,10 @@ class WorkerConfig(BaseModel):
     ignore_eos: bool = False
     """Generate `max_new_tokens` whatever the end-of-sequence token (both engines'
     `ignore_eos`): fixed-length rollouts for load tests and benchmarks."""
+    group_rm: bool = False
+    """Score each group at once (Miles `--group-rm`): `--custom-rm-path` is called as
+    `rm(args, samples) -> list[float | dict]`, one reward per finished sample, sent as
+    `reward` events once the group is done."""
     reward_key: str | None = None
     """Key of the reward in a dict reward (Miles `--reward-key`), sent in `run_started`."""
     dynamic_sampling_filter_path: str | None = None

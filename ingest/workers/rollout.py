@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
-import math
 import time
 import uuid
 from collections import defaultdict
@@ -39,11 +37,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from ingest.core.filters import FilterArgs, MilesSample, SampleStatus
+from ingest.core.filters import FilterArgs, SampleStatus
 from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.engines import Engine, EngineError, Generation, Sampling
 from ingest.workers.prompts import IssuedGroup, Prompt, PromptSource
+from ingest.workers.rewards import RewardSample, score, score_group
 from schemas.control import Demand, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
@@ -52,38 +51,6 @@ PROGRESS_INTERVAL_S = 0.5
 # Groups of step s's extra rounds are numbered from EXTRA_GROUPS * (s + 1): above the first
 # rounds' `s * groups_per_step` of any step, and apart from every other step's extras.
 EXTRA_GROUPS = 2**32
-
-
-@dataclass(slots=True)
-class RewardSample(MilesSample):
-    """What a Miles `--custom-rm-path` function gets: the sample plus its decoded response."""
-
-    response: str = ""
-
-
-def checked_reward(value: Any) -> Any:
-    """A reward the contract can carry: a finite number, an object, or null."""
-    if isinstance(value, bool) or not isinstance(value, int | float | dict | type(None)):
-        log.warning("reward function returned %s, not a number or dict; reward null",
-                    type(value).__name__)
-        return None
-    if isinstance(value, float) and not math.isfinite(value):
-        log.warning("reward function returned %r; reward null", value)
-        return None
-    return float(value) if isinstance(value, int) else value
-
-
-async def score(reward_fn: Callable[..., Any], args: Any, sample: RewardSample) -> Any:
-    """The sample's reward; a reward function that raises scores it null (scoring failed)."""
-    try:
-        result = reward_fn(args, sample)
-        if inspect.isawaitable(result):
-            result = await result
-    except Exception as err:  # the user's function: any failure is a missing reward
-        log.warning("reward function raised %s: %s (group %d rollout %d); reward null",
-                    type(err).__name__, err, sample.group_index, sample.rollout_id)
-        return None
-    return checked_reward(result)
 
 
 @dataclass
@@ -335,11 +302,22 @@ class RolloutWorker:
                 self.config.run, group_index=group_index, step=step, n_samples=n,
                 prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
         self.progress.groups_issued += 1
-        await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
-                               for r in range(n)))
+        finished = await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
+                                          for r in range(n)))
+        if self.config.group_rm:
+            await self._publish_group_rewards([s for s in finished if s is not None])
+
+    async def _publish_group_rewards(self, samples: list[RewardSample]) -> None:
+        """`--group-rm`: the group's finished samples went out without rewards; score them
+        at once and send one `reward` each."""
+        rewards = await score_group(self.reward_fn, self.reward_args, samples)
+        for sample, reward in zip(samples, rewards, strict=True):
+            self.publisher.reward(self.config.run, group_index=sample.group_index,
+                                  rollout_id=sample.rollout_id, reward=reward)
 
     async def _run_sample(self, step: int, group_index: int, rollout_id: int,
-                          prompt: Prompt) -> None:
+                          prompt: Prompt) -> RewardSample | None:
+        """Generate and publish one sample; the finished sample, None when it was not."""
         sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
         engine = self.engines[sample_index % len(self.engines)]
         request_id = f"{self.config.run}-g{group_index}-r{rollout_id}-{uuid.uuid4().hex[:8]}"
@@ -369,7 +347,7 @@ class RolloutWorker:
                 reason="cancelled",
                 response_tokens=generation.tokens if generation is not None else None)
             self.progress.samples_cancelled += 1
-            return
+            return None
         if generation is None or generation.status == "aborted":
             if generation is not None:
                 self._engine_failed(f"{engine.name} at {engine.url} aborted {request_id}")
@@ -378,9 +356,9 @@ class RolloutWorker:
                 reason="engine_error",
                 response_tokens=generation.tokens if generation is not None else None)
             self.progress.samples_aborted += 1
-            return
-        await self._publish_finished(group_index, rollout_id, sample_index, prompt, generation,
-                                     weight_version)
+            return None
+        return await self._publish_finished(group_index, rollout_id, sample_index, prompt,
+                                            generation, weight_version)
 
     def _sampling_for(self, sample_index: int) -> Sampling:
         if self.config.seed is None:
@@ -394,7 +372,7 @@ class RolloutWorker:
 
     async def _publish_finished(self, group_index: int, rollout_id: int, sample_index: int,
                                 prompt: Prompt, generation: Generation,
-                                weight_version: int) -> None:
+                                weight_version: int) -> RewardSample:
         response = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         sample = RewardSample(
             group_index=group_index, index=sample_index, rollout_id=rollout_id,
@@ -404,15 +382,18 @@ class RolloutWorker:
             rollout_log_probs=list(generation.log_probs),
             weight_versions=[weight_version], metadata=dict(prompt.metadata),
             response=response)
-        reward = await score(self.reward_fn, self.reward_args, sample)
+        # With --group-rm the reward follows in a `reward` event once the group is scored.
+        scored = {} if self.config.group_rm else {
+            "reward": await score(self.reward_fn, self.reward_args, sample)}
         self.publisher.sample_finished(
             self.config.run, group_index=group_index, rollout_id=rollout_id,
             status=generation.status, prompt_tokens=prompt.tokens,
             response_tokens=generation.tokens, loss_mask=[1] * len(generation.tokens),
-            rollout_log_probs=generation.log_probs, reward=reward, sample_index=sample_index,
+            rollout_log_probs=generation.log_probs, **scored, sample_index=sample_index,
             weight_version=weight_version, response_text=response)
         self.progress.samples_finished += 1
         self.progress.response_tokens += len(generation.tokens)
+        return sample
 
     async def _draw(self) -> None:
         """Redraw the progress line on the terminal, cut to its width."""

@@ -17,59 +17,41 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ingest.io.broker import free_port
 from ingest.workers.engines import Generation, Sampling, make_engine
 from schemas.control import WeightsUpdated
 from schemas.events import parse_event
 from tests.integration.pipeline import by_group, rows, run_processor
-from tests.support.engine_under_test import engine_flags, engine_under_test
+from tests.support.engine_server import (
+    CLI,
+    ROOT,
+    published,
+    running_engine,
+    write_dataset,
+)
+from tests.support.engine_server import worker_command as engine_worker_command
+from tests.support.engine_under_test import engine_under_test
 from tests.support.gateway_support import RunningGateway, gateway_config, unique_run
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "ingest.cli"]
 VOCAB = 64
 PROMPT = "12+34="
 REWARD_PATH = "tests.support.user_rewards.digit_share_or_raise"
 ENGINE = engine_under_test()
 
 
-@dataclass
-class RunningEngine:
-    url: str
-    process: subprocess.Popen[str]
-    tiny_dir: Path
-    log_file: Path
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    port = free_port()
-    log_file = root / "engine.log"
-    process = subprocess.Popen(
-        [*CLI, "engine", "--port", str(port), "--tiny-dir", str(root / "tiny"),
-         *engine_flags(ENGINE), "--log-file", str(log_file)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = process.stdout.readline()  # the command prints one line once /health answers
-    if "engine ready" not in ready:
-        process.kill()
-        pytest.fail(f"rolloutlake engine did not start: {ready}{process.stderr.read()}")
-    yield RunningEngine(f"http://127.0.0.1:{port}", process, root / "tiny", log_file)
-    if process.poll() is None:
-        process.terminate()
-        process.wait(timeout=60)
+    with running_engine(tmp_path_factory.mktemp("engine")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -140,29 +122,8 @@ def test_reload_of_changed_weights_changes_the_log_probs(engine, tokenizer, tmp_
                                                abs=1e-3)
 
 
-def write_dataset(path: Path, rows_: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
-    return path
-
-
-def worker_command(engine: RunningEngine, kafka, run_id: str, dataset: Path,
-                   *extra: str) -> list[str]:
-    return [*CLI, "worker", "--run", run_id, "--prompt-data", str(dataset),
-            "--label-key", "label", "--tokenizer", str(engine.tiny_dir),
-            "--custom-rm-path", REWARD_PATH, "--engine", ENGINE, "--engine-url", engine.url,
-            "--bootstrap-servers", kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix,
-            *extra]
-
-
-def published(kafka, run_id: str, idle_s: float = 3.0) -> list:
-    """Every event of the run on `rollout.events`, read back from the broker."""
-    consumer = kafka.consumer(consumer_timeout_ms=int(idle_s * 1000))
-    consumer.subscribe([kafka.topics.events])
-    try:
-        events = [parse_event(json.loads(record.value)) for record in consumer]
-    finally:
-        consumer.close()
-    return [e for e in events if e.run_id == run_id]
+def worker_command(engine, kafka, run_id: str, dataset: Path, *extra: str) -> list[str]:
+    return engine_worker_command(engine, kafka, run_id, dataset, REWARD_PATH, *extra)
 
 
 def test_worker_samples_reach_training_batches_as_the_engine_made_them(

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ingest.core.filters import SampleStatus
-from ingest.workers.rollout import RewardSample, checked_reward, score
+from ingest.workers.rewards import RewardSample, checked_reward, score
 
 
 def sample(response: str = "42") -> RewardSample:
