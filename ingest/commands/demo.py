@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.simulate:
         return loop.run(args)
     for name, default in SIMULATED.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:  # loop flags leave unset values out
             setattr(args, name, default)
     # The demo owns its broker, and a failure there surfaces as a processor or simulator
     # error it reports; kafka-python's own records (slow-poll warnings on a busy machine,
