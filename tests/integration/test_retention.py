@@ -4,7 +4,6 @@ under retention."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -75,7 +74,7 @@ def audits(lake: Lake) -> list[dict]:
     found = [group_lineage(now, KEPT, g) for g in groups]
     found.append(row_lineage(now, KEPT, 1, 0))
     found += [group_lineage(then, KEPT, g) for g in groups[:2]]
-    return [dataclasses.asdict(f) for f in found]
+    return [f.model_dump() for f in found]
 
 
 def test_vacuum_refuses_to_delete_what_a_retained_run_reads(lake):
@@ -103,7 +102,7 @@ def test_vacuum_refuses_to_delete_what_a_retained_run_reads(lake):
     assert audits(lake) == before
     replay = cli("replay", "--lake", lake.root, "--run", KEPT, "--check")
     assert replay.returncode == 0, replay.stderr
-    assert "all 3 steps equal the original hashes" in replay.stdout
+    assert "check: every step hash, decision and metric equals the original (3 steps)" in replay.stdout
     # The other run's early batch versions are gone: vacuum did delete.
     with pytest.raises(OSError):
         read_at_batch_version(lake, sealed(lake, OLD)[0])
