@@ -1,4 +1,4 @@
-"""The worker on a real vLLM engine: `--group-rm` scoring and `--partial-rollout`."""
+"""The worker on a real vLLM engine: `--group-rm` scores each group at once."""
 
 from __future__ import annotations
 
