@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.core.batching import RunBatcher
+from ingest.core.decided import Opened
 from ingest.core.ordering import DecisionMerge
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.offsets import app_id
@@ -42,8 +43,9 @@ PICKLE_PROTOCOL = 5
 # v2: the state is a `BatchState` (batchers and the ordering state), no longer the batchers
 # alone; a v1 snapshot does not load and the stage replays from offset 0. v3: a
 # `RunBatcher` keeps the config each open step opened with (`step_configs`). v4: it tracks
-# each open step's groups in flight and its last demand.
-FORMAT = f"pickle-{PICKLE_PROTOCOL}-v4"
+# each open step's groups in flight and its last demand. v5: the state keeps the opened
+# notices of runs whose run_started has not been read yet (`awaiting_config`).
+FORMAT = f"pickle-{PICKLE_PROTOCOL}-v5"
 
 
 def decision_fingerprint(record: Any) -> bytes:
@@ -65,6 +67,7 @@ class BatchState:
 
     batchers: dict[str, RunBatcher]  # the runs of the partition
     merge: DecisionMerge  # the partition's held items and watermarks
+    awaiting_config: dict[str, list[Opened]]  # opened groups of runs without run_started yet
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class BatchSnapshots:
                 "topic": self.topic, "partition": partition, "offset": record.offset,
                 "fingerprint": decision_fingerprint(record), "format": FORMAT,
                 "state": pickle.dumps(state, protocol=PICKLE_PROTOCOL),
-                "runs": sorted(state.batchers), "written_at": utc_micros(time.time()),
+                "runs": sorted(set(state.batchers) | set(state.awaiting_config)), "written_at": utc_micros(time.time()),
             })
             marks.append(TxnMark(app_id("batch_state", self.topic, partition), record.offset))
         if not rows:

@@ -82,6 +82,10 @@ class BatchStage(Stage):
         super().__init__(config, lake, topic=config.kafka.topics.decisions, role="batches")
         self.batchers: dict[str, RunBatcher] = {}
         self.run_partition: dict[str, int] = {}
+        # Opened groups of runs whose run_started is not read yet (a worker may start
+        # groups before the run's config reaches the processor): applied, in order, when
+        # the run's batcher is created, so the step counts every group issued for it.
+        self.awaiting_config: dict[str, list[Opened]] = {}
         self.recorded: dict[tuple[str, int], int | None] = {}
         self.closed_steps: set[tuple[str, int]] = set()
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
@@ -96,6 +100,7 @@ class BatchStage(Stage):
     def _release(self, partitions: set[int]) -> None:
         for run_id in [r for r, p in self.run_partition.items() if p in partitions]:
             self.batchers.pop(run_id, None)
+            self.awaiting_config.pop(run_id, None)
             self.run_partition.pop(run_id, None)
         for partition in partitions:
             self.merges.pop(partition, None)
@@ -135,7 +140,9 @@ class BatchStage(Stage):
         start = 0
         if snapshot is not None:
             self.batchers.update(snapshot.state.batchers)
-            self.run_partition.update(dict.fromkeys(snapshot.state.batchers, tp.partition))
+            self.awaiting_config.update(snapshot.state.awaiting_config)
+            runs = set(snapshot.state.batchers) | set(snapshot.state.awaiting_config)
+            self.run_partition.update(dict.fromkeys(runs, tp.partition))
             self.merges[tp.partition] = snapshot.state.merge
             start = snapshot.offset + 1
         self.consumer.seek(tp, start)
@@ -155,7 +162,8 @@ class BatchStage(Stage):
         self.snapshots.save({
             p: (self.last_records[p], BatchState(
                 {r: b for r, b in self.batchers.items() if self.run_partition.get(r) == p},
-                self.merges[p]))
+                self.merges[p],
+                {r: o for r, o in self.awaiting_config.items() if self.run_partition.get(r) == p}))
             for p in partitions if p in self.last_records
         })
 
@@ -175,6 +183,8 @@ class BatchStage(Stage):
         if batcher is None:
             batcher = self.batchers[run_id] = RunBatcher(run_id, config)
             self.run_partition[run_id] = partition
+            for opened in self.awaiting_config.pop(run_id, []):
+                batcher.apply(opened)
         batcher.config = config  # a later run_started applies from here on
         return batcher
 
@@ -214,6 +224,9 @@ class BatchStage(Stage):
                 batcher = self._batcher(item.run_id, record.partition)
                 if batcher is not None:
                     batcher.apply(item)
+                else:
+                    self.awaiting_config.setdefault(item.run_id, []).append(item)
+                    self.run_partition[item.run_id] = record.partition
             else:
                 self._decide(item, value, offset, record, pending)
         if merge.late > late:

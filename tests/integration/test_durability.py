@@ -215,3 +215,47 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
     metrics = ["step", "key", "value"]
     assert (_table(lake, "step_metrics", metrics, HELD.run_id)
             == _table(ref, "step_metrics", metrics, HELD.run_id))
+
+
+def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_path):
+    """A worker starts groups before the run's config reaches the processor. The batch
+    stage holds their opened notices until the run_started comes; a snapshot taken while
+    they wait carries them, so after a restart the step still counts each group issued
+    for it."""
+    run = "early"
+    kafka = ordered_kafka(broker.bootstrap_servers, f"early{uuid.uuid4().hex[:8]}.")
+    t0 = time.time() - 10  # before the records' own timestamps, which cap an event time
+    # Group 1 completes first (t0 + 0.3): both groups started before it, so their opened
+    # notices pass the watermark while the run has no config yet.
+    publish(kafka, run, None, [
+        event("group_started", run, group_index=0, step=0, n_samples=2, ts=t0),
+        event("group_started", run, group_index=1, step=0, n_samples=2, ts=t0 + 0.1),
+        sample(run, 1, 0, 1.0, ts=t0 + 0.2), sample(run, 1, 1, 0.0, ts=t0 + 0.3),
+        sample(run, 0, 0, 1.0, ts=t0 + 0.4), sample(run, 0, 1, 0.0, ts=t0 + 0.5),
+    ])
+    lake_root = str(tmp_path / "lake")
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups", consumer_group="early-groups")
+
+    config = ProcessorConfig(kafka=kafka, lake=lake_root, consumer_group="early-batches",
+                             snapshot_every=1)
+    stage = BatchStage(config, Lake(lake_root))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        stage.poll_once()
+        if len(stage.awaiting_config.get(run, [])) == 2 and stage.snapshots.saved:
+            break
+    else:
+        pytest.fail("the opened groups did not wait for their run's config in a snapshot")
+    cut = stage.snapshots.saved[0]
+    stage.close()
+
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups", consumer_group="early-groups")
+    second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
+                           consumer_group="early-batches")
+    assert _batch_stage(second).resumed_from == {0: cut + 1}
+    decided = {r["group_index"]: (r["decision"], r["batch_step"])
+               for r in rows(lake_root, "groups", run)}
+    assert decided == {0: ("surplus", None), 1: ("kept", 0)}
+    issued = {(r["step"], r["key"]): r["value"] for r in rows(lake_root, "step_metrics", run)}
+    assert issued[(0, "rollout/prompts_issued")] == 2.0
