@@ -280,6 +280,11 @@ class BatchStage(Stage):
         # Snapshot first: a restart resumes with the steps open, as an uninterrupted run
         # has them.
         self._snapshot(list(self.last_records))
+        held = sum(len(merge) for merge in self.merges.values())
+        if held:
+            log.warning("stopping with %d decisions and notices held: the events partitions' "
+                        "watermarks have not passed them (their group stage stopped first?); "
+                        "the next run applies them", held)
         pending = _Pending()
         for run_id, batcher in self.batchers.items():
             self._collect(run_id, self.run_partition[run_id], -1, batcher.flush(), pending)
