@@ -143,8 +143,9 @@ def main() -> None:
         print(f"steps row, {first} / {label}: best {min(steps[first]) / min(steps[label]):.2f}x, "
               f"median {statistics.median(steps[first]) / statistics.median(steps[label]):.2f}x")
     for label, _, _ in variants:
-        print(f"{label} steps row runs: "
-              + ", ".join(f"{run['steps row']:.2f}" for run in times[label]))
+        print(f"{label} runs, steps row (groups joined, batches joined): " + ", ".join(
+            f"{run['steps row']:.2f} ({run.get('groups joined', 0):.2f}, "
+            f"{run.get('batches joined', 0):.2f})" for run in times[label]))
 
 
 if __name__ == "__main__":

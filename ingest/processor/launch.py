@@ -6,7 +6,10 @@ again: 0.6-1.6 s by load. Parsing the flags imports the same modules in the pare
 child started after the parse makes the two import passes run one after the other. The
 CLI therefore calls `prestart` before it parses: both processes import side by side on
 two cores, and the parent sends the child its configuration once it has one (or kills
-it, if the flags turn out to want no child). This module imports nothing heavy.
+it, if the flags turn out to want no child). On a machine without a core to spare the
+child imports only once the configuration has come, while the parent waits for its
+consumer-group join, as a child started after the parse did. This module imports
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -74,7 +77,12 @@ def take_prestarted() -> BatchChild | None:
 def _child_main(receive: Connection, parent_pid: int) -> None:
     die_with_parent(parent_pid)  # no orphan stage lives on
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C, even mid-import
-    from ingest.processor.main import run_batch_stage  # beside the parent's own imports
+    if os.getloadavg()[0] >= (os.cpu_count() or 1):
+        # No core to spare: importing now would slow the parent's imports, which come first
+        # on the way to the first batch. Import once the configuration comes instead, while
+        # the parent's group stage waits for its consumer-group join.
+        receive.poll(None)
+    from ingest.processor.main import run_batch_stage
 
     try:
         config, kafka_log_level = receive.recv()
