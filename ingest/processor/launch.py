@@ -18,6 +18,7 @@ import atexit
 import multiprocessing
 import os
 import signal
+import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,10 @@ def take_prestarted() -> BatchChild | None:
 def _child_main(receive: Connection, parent_pid: int) -> None:
     die_with_parent(parent_pid)  # no orphan stage lives on
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C, even mid-import
+    # The parent's SIGTERM means "drain, then exit"; one that comes before the stage exists
+    # (an --until-idle parent that finished while this child still imported) is kept.
+    drain_asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
     if os.getloadavg()[0] >= (os.cpu_count() or 1):
         # No core to spare: importing now would slow the parent's imports, which come first
         # on the way to the first batch. Import once the configuration comes instead, while
@@ -88,4 +93,4 @@ def _child_main(receive: Connection, parent_pid: int) -> None:
         config, kafka_log_level = receive.recv()
     except EOFError:  # the parent went away before it had a configuration
         return
-    run_batch_stage(config, parent_pid, kafka_log_level)
+    run_batch_stage(config, kafka_log_level, drain_asked)

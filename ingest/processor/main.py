@@ -133,8 +133,10 @@ class Processor:
             self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
 
 
-def run_batch_stage(config: ProcessorConfig, parent_pid: int, kafka_log_level: int) -> None:
-    """The batch stage of `config`, run by the child process (`launch.BatchChild`)."""
+def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
+                    drain_asked: threading.Event) -> None:
+    """The batch stage of `config`, run by the child process (`launch.BatchChild`);
+    `drain_asked` is set when the parent asked it to drain before the stage existed."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
@@ -146,6 +148,8 @@ def run_batch_stage(config: ProcessorConfig, parent_pid: int, kafka_log_level: i
         for stage in processor.stages:  # the parent says it to the user
             stage.health.report_level = logging.INFO
         signal.signal(signal.SIGTERM, processor.drain)
+        if drain_asked.is_set():
+            processor.drain()
         code = processor.run()
     except RolloutlakeError as err:
         print(f"rolloutlake process: {err}", file=sys.stderr, flush=True)
