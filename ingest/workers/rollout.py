@@ -344,6 +344,9 @@ class RolloutWorker:
                 except EngineError as err:
                     if request_id not in self._cancelled:
                         self._engine_failed(str(err))
+                    else:  # cancelled: what it had generated is lost with the answer
+                        log.info("cancelled request %s got no answer (%s): recorded without "
+                                 "its partial tokens", request_id, err)
                 finally:
                     self.progress.in_flight -= 1
                     self._in_flight[step].discard(request_id)
