@@ -346,4 +346,7 @@ def _connection_errors() -> Iterator[list[str]]:
         yield collector.messages
     finally:
         kafka_log.removeHandler(collector)
-        kafka_log.level, kafka_log.propagate = saved
+        # setLevel, not the attribute: it clears the loggers' cached isEnabledFor answers,
+        # which the window's WARNING level filled (kafka-python's lines would leak after it)
+        kafka_log.setLevel(saved[0])
+        kafka_log.propagate = saved[1]

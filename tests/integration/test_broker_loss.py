@@ -41,6 +41,12 @@ def our_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if " INFO " not in ln]
 
 
+def only_line(stderr: str) -> list[str]:
+    lines = our_lines(stderr)
+    assert len(lines) == 1, stderr
+    return lines
+
+
 @pytest.fixture
 def own_broker():
     """A broker of this test's own, to restart or kill."""
@@ -67,7 +73,7 @@ def test_a_broker_restarted_with_new_data_is_refused_not_skipped(own_broker, tmp
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 2, stderr
     assert "Traceback" not in stderr, stderr
-    [line] = our_lines(stderr)
+    [line] = only_line(stderr)
     # either stage may notice first: each checks its own topic
     assert re.match(r"rolloutlake process: p\.rollout\.(events|decisions)\[0\]: the topic was "
                     r"recreated", line), line
@@ -103,7 +109,7 @@ def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp
         process.kill()
     assert process.returncode == 2, stderr
     assert "Traceback" not in stderr, stderr
-    [line] = our_lines(stderr)
+    [line] = only_line(stderr)
     assert line.startswith("rolloutlake process: live.rollout.events[0]: the topic was "
                            "recreated ("), line
     assert "is empty" not in line, line
