@@ -48,7 +48,7 @@ def restart(config: ProcessorConfig, group: str, label: str) -> None:
     stage._take_over = timed_take_over
     joined_at = None
     read = 0
-    while joined_at is None or stage.replaying:
+    while joined_at is None or not stage.caught_up:
         read += stage.poll_once()
         if joined_at is None and stage.joined:
             joined_at = time.perf_counter()

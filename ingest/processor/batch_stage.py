@@ -90,9 +90,9 @@ class BatchStage(Stage):
         self.awaiting_config: dict[str, dict[int, Opened]] = {}
         self.recorded: dict[tuple[str, int], int | None] = {}
         self.closed_steps: set[tuple[str, int]] = set()
-        self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
         self.merges: dict[int, DecisionMerge] = {}  # decisions partition -> held items
         self._applied = False  # this poll took over or applied something, not only watermarks
+        self._runs_caught_up = False  # this poll read the runs topic to its end (_batcher)
         self.snapshots = BatchSnapshots(lake, self.topics.decisions, config.snapshot_every)
         self.restored: dict[int, Snapshot | None] = {}
         self.resumed_from: dict[int, int] = {}  # partition -> offset taken over at
@@ -113,7 +113,6 @@ class BatchStage(Stage):
         self.closed_steps = set(
             zip(metrics.column("run_id").to_pylist(), metrics.column("step").to_pylist(), strict=True)
         )
-        end = self.consumer.end_offsets(list(assigned)) if assigned else {}
         self._applied = True  # a take-over is activity: idle counts from here
         events = self.consumer.partitions_for_topic(self.topics.events)
         event_partitions = len(events) if events else self.config.kafka.event_partitions
@@ -123,12 +122,10 @@ class BatchStage(Stage):
                 self.recorded[(table, tp.partition)] = self.lake.txn_version(
                     table, app_id(table, tp.topic, tp.partition)
                 )
-            start = self._restore(tp)
-            if start < end.get(tp, 0):
-                self.replaying[tp.partition] = end[tp]
+            self._restore(tp)
 
-    def _restore(self, tp: TopicPartition) -> int:
-        """Load the partition's latest snapshot, check the topic, seek; returns the position.
+    def _restore(self, tp: TopicPartition) -> None:
+        """Load the partition's latest snapshot, check the topic, seek.
 
         From the snapshot's offset on (or from offset 0 without one) the state machine
         rebuilds exactly, and the tables skip rows they already hold.
@@ -153,7 +150,6 @@ class BatchStage(Stage):
                  tp.partition, start,
                  "after its snapshot" if snapshot else "no snapshot: replaying",
                  {t: self._recorded(t, tp.partition) for t in TABLE_ORDER})
-        return start
 
     def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
         snapshot = self.restored.get(tp.partition)
@@ -178,8 +174,11 @@ class BatchStage(Stage):
 
     def _batcher(self, run_id: str, partition: int) -> RunBatcher | None:
         config = self.runs.get(run_id)
-        if config is None:
+        if config is None and not self._runs_caught_up:
+            # Once per poll: a stream of items of a run whose run_started never comes
+            # would otherwise cost a broker round trip each.
             self.runs.catch_up()
+            self._runs_caught_up = True
             config = self.runs.get(run_id)
         if config is None:
             return None
@@ -196,6 +195,7 @@ class BatchStage(Stage):
         """As `Stage.poll_once`; a poll that only moved watermarks is no activity, so
         `--until-idle` still ends once every decision is applied."""
         before, self._applied = self.last_activity, False
+        self._runs_caught_up = False
         count = super().poll_once()
         if not self._applied:
             self.last_activity = before
@@ -320,9 +320,6 @@ class BatchStage(Stage):
         self.dead_letters.commit(
             [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
         )
-        for partition, end in list(self.replaying.items()):
-            if marks.get(partition, -1) >= end - 1 or end == 0:
-                del self.replaying[partition]
         self._snapshot([p for p, o in marks.items() if self.snapshots.due(p, o)])
 
     def _new_demands(self, pending: _Pending, published: dict[int, int | None]
@@ -414,4 +411,4 @@ class BatchStage(Stage):
     @property
     def idle(self) -> bool:
         held = any(len(merge) for merge in self.merges.values())
-        return super().idle and not self.replaying and not held
+        return super().idle and not held

@@ -26,8 +26,11 @@ class ProcessorConfig(BaseModel):
     `single_process`)."""
     single_process: bool = False
     """Run both stages as threads of one process (one core) instead of a batch-stage child."""
-    consumer_group: Annotated[str, Field(min_length=1)] = "rolloutlake"
-    """Consumer-group prefix; must be the same for all instances of one deployment."""
+    consumer_group: Annotated[str, Field(min_length=1)] | None = None
+    """Consumer-group prefix; must be the same for all instances of one deployment. By
+    default the topic prefix followed by `rolloutlake`: deployments that share a broker
+    under different topic prefixes never share a group (a member of one would hold up,
+    or take no partitions in, the other's rebalances)."""
     until_idle_s: Annotated[float, Field(gt=0)] | None = None
     """Exit 0 after this many seconds without new messages, once everything is committed."""
     poll_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
@@ -55,3 +58,8 @@ class ProcessorConfig(BaseModel):
     """Also log every run's step metrics to Weights & Biases (offline unless WANDB_MODE)."""
     wandb_dir: str | None = None
     """Where W&B keeps its run files (default: its own, ./wandb)."""
+
+    @property
+    def group_prefix(self) -> str:
+        """What the stages' consumer groups are named after (`consumer_group`)."""
+        return self.consumer_group or f"{self.kafka.topic_prefix}rolloutlake"

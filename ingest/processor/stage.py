@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import InvalidSessionTimeoutError, KafkaTimeoutError
+from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
 
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
@@ -30,6 +30,10 @@ TOPIC_WAIT_S = 10.0
 # one), most of a processor's start-up at 6 s; Apache Kafka refuses less than its
 # group.min.session.timeout.ms, 6000 by default.
 SESSION_TIMEOUTS_MS = (2000, 6000)
+# How often a stage that got nothing compares its positions with the end offsets (`idle`
+# needs them reached), and after how many seconds of empty polls behind them it says why.
+CATCH_UP_CHECK_S = 0.5
+STALL_REPORT_S = 10.0
 
 
 class Stage(ConsumerRebalanceListener):
@@ -45,7 +49,7 @@ class Stage(ConsumerRebalanceListener):
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
         # The group stage, which archives run_started events, keeps the runs table.
         self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
-        self.group_id = f"{config.consumer_group}-{role}"
+        self.group_id = f"{config.group_prefix}-{role}"
         self.health = StageHealth(role, self.group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
         self.topic = topic
@@ -68,6 +72,11 @@ class Stage(ConsumerRebalanceListener):
         # Set while a poll's records are handled and committed, which can take longer than
         # --until-idle on a large lake: that is work, not idleness.
         self.working = False
+        # Owned partitions read up to the end offsets of the last check (_check_caught_up)
+        self.caught_up = False
+        self.end_checked_at = 0.0
+        self.empty_polls = 0  # in a row
+        self.stall_reported_at = 0
 
     def _member(self) -> Any:
         """A consumer subscribed to the stage's topic in its group, at `session_timeout_ms`."""
@@ -146,6 +155,7 @@ class Stage(ConsumerRebalanceListener):
                 self._take_over(assigned)
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
+                self.caught_up = False
             self.joined = True
             self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()
@@ -170,6 +180,10 @@ class Stage(ConsumerRebalanceListener):
         self._commit(batch)
         if count:
             self.last_activity = time.monotonic()
+            self.empty_polls = self.stall_reported_at = 0
+            self.caught_up = False
+        else:
+            self._check_caught_up()
         self.working = False
         if batch.last_offset:
             self.health.last_commit_at = time.time()
@@ -180,6 +194,41 @@ class Stage(ConsumerRebalanceListener):
                 for tp in self.consumer.assignment() if tp.partition in self.consumed
             )
         return count
+
+    def _check_caught_up(self) -> None:
+        """After an empty poll, at most every CATCH_UP_CHECK_S: have the owned partitions
+        been read to their end offsets? A poll can come back empty while
+        messages wait (a slow broker, the first fetch after a take-over), and `idle` must
+        not take that for the end. A partition still behind after STALL_REPORT_S of empty
+        polls is logged with its fetch state: what a consumer that stopped fetching looks
+        like. Polls are counted, not seconds, so a process that was frozen (SIGSTOP, a
+        descheduled container) does not look stalled when it wakes."""
+        self.empty_polls += 1
+        now = time.monotonic()
+        if self.health.unreachable_since is not None or now - self.end_checked_at < CATCH_UP_CHECK_S:
+            return
+        self.end_checked_at = now
+        owned = [tp for tp in self.consumer.assignment() if tp.partition in self.owned]
+        try:
+            end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+        except KafkaError:
+            return  # the broker health check reports an outage
+        states = self.consumer._subscription.assignment  # no public view without requests
+        behind = [(tp, states[tp]) for tp in owned if tp in states and (
+            states[tp].position is None or states[tp].position.offset < end[tp])]
+        self.caught_up = not behind
+        polls = max(1, int(STALL_REPORT_S * 1000 / self.config.poll_timeout_ms))
+        if not behind or self.empty_polls - self.stall_reported_at < polls:
+            return
+        self.stall_reported_at = self.empty_polls
+        for tp, state in behind:
+            log.warning(
+                "%s stage: %s[%d] holds messages up to offset %d, but %d polls in a row "
+                "returned none: position %s, paused %s, awaiting reset %s, awaiting "
+                "validation %s, pending revocation %s", self.health.role, tp.topic,
+                tp.partition, end[tp] - 1, self.empty_polls,
+                None if state.position is None else state.position.offset, state.paused,
+                state.awaiting_reset, state.awaiting_validation, state._pending_revocation)
 
     def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
         """Refuse to resume a partition of a topic that was recreated since the lake read it.
@@ -259,14 +308,15 @@ class Stage(ConsumerRebalanceListener):
     @property
     def idle(self) -> bool:
         """Nothing to do as far as this stage can tell: joined, every partition the
-        consumer is assigned taken over, no poll in progress. Between a revocation and the
+        consumer is assigned taken over and read to its end offset (as of the last check),
+        no poll in progress. Between a revocation and the
         take-over of the next assignment (a rejoin revokes every partition, and the group
         assigns them again only once each member rejoined: seconds, or a dead member's
         session) the stage owns nothing and its partitions' work is still ahead, such as
         a group stage re-sending the decisions a killed owner archived but never sent."""
         assigned = {tp.partition for tp in self.consumer.assignment()}
         return (self.joined and not self.working and assigned <= self.owned
-                and not self.dead_letters.rows)
+                and self.caught_up and not self.dead_letters.rows)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""

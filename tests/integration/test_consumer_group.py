@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -13,6 +14,7 @@ from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from schemas.errors import RolloutlakeError
+from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
 
 
 @pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
@@ -48,3 +50,29 @@ def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
         BatchStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))
     assert str(raised.value) == (f"topic never.made.rollout.decisions does not exist on "
                                  f"{broker.bootstrap_servers} (no partitions listed within 1 s)")
+
+
+def test_a_stuck_deployment_under_another_topic_prefix_does_not_hold_up_this_one(broker,
+                                                                               tmp_path):
+    """Two deployments on one broker, each with its own topic prefix and the default
+    consumer group. A member of the other one that joined and stopped polling holds its
+    group's rebalances for minutes: this deployment's stages must not be in that group."""
+    other = ordered_kafka(broker.bootstrap_servers, f"stuck{uuid.uuid4().hex[:8]}.")
+    other_groups = ProcessorConfig(kafka=other, lake=str(tmp_path / "other")).group_prefix
+    stuck = other.consumer(group_id=f"{other_groups}-groups")
+    try:
+        stuck.subscribe([other.topics.events])
+        deadline = time.monotonic() + 30
+        while not stuck.assignment() and time.monotonic() < deadline:
+            stuck.poll(timeout_ms=200)
+        assert stuck.assignment(), "the other deployment's member did not join"
+        kafka = ordered_kafka(broker.bootstrap_servers, f"own{uuid.uuid4().hex[:8]}.")
+        run = "own-run"
+        publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
+                [event("group_started", run, group_index=0, step=0, n_samples=2),
+                 sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)])
+        lake = str(tmp_path / "lake")
+        run_processor(kafka, lake, idle_s=1.0, join_timeout_s=20)
+    finally:
+        stuck.close()
+    assert [r["decision"] for r in rows(lake, "groups", run)] == ["kept"]

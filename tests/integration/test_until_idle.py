@@ -64,6 +64,33 @@ def test_a_stage_between_a_revocation_and_its_next_take_over_is_not_idle(kafka, 
         stage.close()
 
 
+def test_a_stage_whose_polls_come_back_empty_while_messages_wait_is_not_idle(kafka, tmp_path):
+    """A poll can return nothing while its partition still holds unread messages (a slow
+    broker, the first fetch after a take-over): a CLI run on a loaded machine once ended
+    idle before it had read its run. The stage is idle only once its positions reached
+    the end offsets."""
+    lake = Lake(str(tmp_path / "lake"))
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    try:
+        poll_until_idle(stage)
+        partitions = set(stage.consumer.assignment())
+        stage.consumer.pause(*partitions)  # fetches return nothing, as a stalled one does
+        publish(kafka, "waiting", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+                [event("group_started", "waiting", group_index=g, step=g, n_samples=1)
+                 for g in range(4)])
+        until = time.monotonic() + 1.0  # the stage compares with the end offsets twice a second
+        while time.monotonic() < until:
+            assert stage.poll_once() == 0
+        for _ in range(10):
+            assert stage.poll_once() == 0
+            assert not stage.idle
+        stage.consumer.resume(*partitions)
+        poll_until_idle(stage)
+        assert {g for run, g in stage.pending if run == "waiting"} == {0, 1, 2, 3}
+    finally:
+        stage.close()
+
+
 def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     stage.poll_once()
