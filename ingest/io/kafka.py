@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -329,6 +330,11 @@ class _ConnectionErrorLog(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+# Held while a client is built: the window changes the `kafka` logger for the process,
+# and two stages build theirs at once (two overlapping windows restored it half-way).
+_CONNECTION_WINDOW = threading.RLock()
+
+
 @contextmanager
 def _connection_errors() -> Iterator[list[str]]:
     """kafka-python only says 'unable to bootstrap'; why is in the lines it logs meanwhile.
@@ -336,6 +342,12 @@ def _connection_errors() -> Iterator[list[str]]:
     They go into the one-line error instead of the terminal: a failed bootstrap retries many
     times a second. Clients are built at start-up, so little else is logged in the window.
     """
+    with _CONNECTION_WINDOW, _collecting_kafka_lines() as messages:
+        yield messages
+
+
+@contextmanager
+def _collecting_kafka_lines() -> Iterator[list[str]]:
     kafka_log = logging.getLogger("kafka")
     saved = kafka_log.level, kafka_log.propagate
     collector = _ConnectionErrorLog()

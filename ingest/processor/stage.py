@@ -34,6 +34,10 @@ SESSION_TIMEOUTS_MS = (2000, 6000)
 # needs them reached), and after how many seconds of empty polls behind them it says why.
 CATCH_UP_CHECK_S = 0.5
 STALL_REPORT_S = 10.0
+# A partition the consumer lists as assigned that was never handed over (or was revoked
+# and never assigned again) for this many seconds of polls: kafka-python 3.0 can leave a
+# rejoin unfinished (seen on Apache Kafka), and the stage then joins with a new consumer.
+REJOIN_AFTER_S = 30.0
 
 
 class Stage(ConsumerRebalanceListener):
@@ -75,7 +79,9 @@ class Stage(ConsumerRebalanceListener):
         # Owned partitions read up to the end offsets of the last check (_check_caught_up)
         self.caught_up = False
         self.end_checked_at = 0.0
+        self.ends_checked: dict[TopicPartition, int] = {}  # end offsets at that check
         self.empty_polls = 0  # in a row
+        self.unowned_polls = 0  # in a row, with an assigned partition not taken over
         self.stall_reported_at = 0
 
     def _member(self) -> Any:
@@ -155,13 +161,16 @@ class Stage(ConsumerRebalanceListener):
                 self._take_over(assigned)
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
-                self.caught_up = False
+                self.caught_up, self.ends_checked = False, {}
             self.joined = True
             self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()
             # Records fetched before the seek come again from the new position.
             polled = {tp: r for tp, r in polled.items() if tp not in assigned}
         self.health.observe_join(self.joined, now)
+        if self._assignment_stuck():
+            self._rejoin_with_a_new_consumer()
+            return 0
         batch = self._new_batch()
         count = 0
         # A broker that restarted empty under a running stage keeps its offsets valid when
@@ -181,9 +190,9 @@ class Stage(ConsumerRebalanceListener):
         if count:
             self.last_activity = time.monotonic()
             self.empty_polls = self.stall_reported_at = 0
-            self.caught_up = False
         else:
-            self._check_caught_up()
+            self.empty_polls += 1
+        self._check_caught_up()
         self.working = False
         if batch.last_offset:
             self.health.last_commit_at = time.time()
@@ -195,15 +204,38 @@ class Stage(ConsumerRebalanceListener):
             )
         return count
 
+    def _assignment_stuck(self) -> bool:
+        assigned = {tp.partition for tp in self.consumer.assignment()}
+        waiting = self.joined and not assigned <= self.owned
+        self.unowned_polls = self.unowned_polls + 1 if waiting else 0
+        return self.unowned_polls >= max(1, int(REJOIN_AFTER_S * 1000
+                                                / self.config.poll_timeout_ms))
+
+    def _rejoin_with_a_new_consumer(self) -> None:
+        """Leave the group and join it again: what a stuck rebalance needs. The partitions
+        this stage owns are released and taken over again from the lake, as after any
+        rebalance."""
+        assigned = set(self.consumer.assignment())
+        log.warning("%s stage: partitions %s stayed assigned without being handed over for "
+                    "%.0f s of polls (an unfinished rejoin); joining the group again",
+                    self.health.role,
+                    sorted(tp.partition for tp in assigned if tp.partition not in self.owned),
+                    REJOIN_AFTER_S)
+        self.on_partitions_revoked(assigned)
+        self.consumer.close()
+        self.newly_assigned, self.rebalanced, self.unowned_polls = set(), False, 0
+        self.joined = False  # not idle until the new member has its partitions
+        self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
+        self.consumer = self._member()
+
     def _check_caught_up(self) -> None:
-        """After an empty poll, at most every CATCH_UP_CHECK_S: have the owned partitions
-        been read to their end offsets? A poll can come back empty while
-        messages wait (a slow broker, the first fetch after a take-over), and `idle` must
-        not take that for the end. A partition still behind after STALL_REPORT_S of empty
+        """At most every CATCH_UP_CHECK_S: have the owned partitions been read to the end
+        offsets they had at the previous check? A poll can come back empty while messages
+        wait (a slow broker, the first fetch after a take-over), and `idle` must not take
+        that for the end. A partition still behind after STALL_REPORT_S of empty
         polls is logged with its fetch state: what a consumer that stopped fetching looks
         like. Polls are counted, not seconds, so a process that was frozen (SIGSTOP, a
         descheduled container) does not look stalled when it wakes."""
-        self.empty_polls += 1
         now = time.monotonic()
         if self.health.unreachable_since is not None or now - self.end_checked_at < CATCH_UP_CHECK_S:
             return
@@ -213,9 +245,14 @@ class Stage(ConsumerRebalanceListener):
             end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
         except KafkaError:
             return  # the broker health check reports an outage
+        # What the partitions held at the previous check must have been read: a topic that
+        # never stops growing (the group stage's watermarks on `rollout.decisions`) is never
+        # read to its current end, but always to where it was half a second ago.
+        target = {tp: self.ends_checked.get(tp, end[tp]) for tp in owned}
+        self.ends_checked = end
         states = self.consumer._subscription.assignment  # no public view without requests
         behind = [(tp, states[tp]) for tp in owned if tp in states and (
-            states[tp].position is None or states[tp].position.offset < end[tp])]
+            states[tp].position is None or states[tp].position.offset < target[tp])]
         self.caught_up = not behind
         polls = max(1, int(STALL_REPORT_S * 1000 / self.config.poll_timeout_ms))
         if not behind or self.empty_polls - self.stall_reported_at < polls:
@@ -226,7 +263,7 @@ class Stage(ConsumerRebalanceListener):
                 "%s stage: %s[%d] holds messages up to offset %d, but %d polls in a row "
                 "returned none: position %s, paused %s, awaiting reset %s, awaiting "
                 "validation %s, pending revocation %s", self.health.role, tp.topic,
-                tp.partition, end[tp] - 1, self.empty_polls,
+                tp.partition, target[tp] - 1, self.empty_polls,
                 None if state.position is None else state.position.offset, state.paused,
                 state.awaiting_reset, state.awaiting_validation, state._pending_revocation)
 

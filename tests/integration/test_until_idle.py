@@ -15,6 +15,7 @@ from kafka import KafkaConsumer
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.processor import stage as stage_module
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
@@ -87,6 +88,33 @@ def test_a_stage_whose_polls_come_back_empty_while_messages_wait_is_not_idle(kaf
         stage.consumer.resume(*partitions)
         poll_until_idle(stage)
         assert {g for run, g in stage.pending if run == "waiting"} == {0, 1, 2, 3}
+    finally:
+        stage.close()
+
+
+@pytest.mark.one_broker("the test drives the consumer's rebalance callbacks itself")
+def test_a_revocation_never_followed_by_an_assignment_ends_in_a_new_join(kafka, tmp_path,
+                                                                         monkeypatch, caplog):
+    """kafka-python can revoke a stage's partitions for a rejoin it never completes: the
+    consumer keeps listing them, pending revocation and never fetched, and the stage
+    waited forever (Apache Kafka CI runs hung in --until-idle). After REJOIN_AFTER_S of
+    polls the stage joins with a new consumer and takes its partitions over again."""
+    monkeypatch.setattr(stage_module, "REJOIN_AFTER_S", 1.0)
+    publish(kafka, "stuck", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+            [event("group_started", "stuck", group_index=0, step=0, n_samples=1)])
+    lake = Lake(str(tmp_path / "lake"))
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    try:
+        poll_until_idle(stage)
+        owned = set(stage.consumer.assignment())
+        stage.on_partitions_revoked(owned)  # and no assignment follows
+        first = stage.consumer
+        poll_until_idle(stage)
+        assert stage.consumer is not first
+        assert stage.owned == {tp.partition for tp in stage.consumer.assignment()} \
+            == {tp.partition for tp in owned}
+        assert {g for run, g in stage.pending if run == "stuck"} == {0}  # taken over again
+        assert "joining the group again" in caplog.text
     finally:
         stage.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from ingest.io.kafka import _connection_errors
 
@@ -23,3 +24,31 @@ def test_the_connection_window_leaves_kafka_loggers_as_quiet_as_before():
         assert kafka_log.propagate
     finally:
         kafka_log.setLevel(saved)
+
+
+def test_two_stages_building_clients_at_once_leave_the_kafka_logger_as_it_was():
+    """Both stages build their consumers at the same time: overlapping windows restored
+    the logger to the other window's setting, and kafka-python's lines went missing."""
+    kafka_log = logging.getLogger("kafka")
+    saved = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    first_inside, second_inside, first_done = (threading.Event() for _ in range(3))
+
+    def second() -> None:
+        first_inside.wait()
+        with _connection_errors():
+            second_inside.set()
+            first_done.wait(5)  # this client's bootstrap outlasts the first one's
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        with _connection_errors():
+            first_inside.set()
+            second_inside.wait(0.3)  # the second client's bootstrap begins meanwhile
+        first_done.set()
+        thread.join(5)
+        assert kafka_log.level == logging.CRITICAL and kafka_log.propagate
+    finally:
+        kafka_log.setLevel(saved)
+        kafka_log.propagate = True
