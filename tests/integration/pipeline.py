@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import orjson
@@ -93,3 +94,17 @@ def assert_keys_once(lake: Lake) -> None:
         keys = lake.read(spec.name, columns=list(spec.key))
         rows = list(zip(*(keys.column(c).to_pylist() for c in spec.key), strict=True))
         assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"
+
+
+def stuck_member(kafka: KafkaSettings, group_id: str) -> Any:
+    """A member of `group_id` on the events topic that joined and then stops polling: the
+    broker holds the group's next rebalance for it. The caller closes it."""
+    consumer = kafka.consumer(group_id=group_id)
+    consumer.subscribe([kafka.topics.events])
+    deadline = time.monotonic() + 30
+    while not consumer.assignment() and time.monotonic() < deadline:
+        consumer.poll(timeout_ms=200)
+    if not consumer.assignment():
+        consumer.close()
+        raise AssertionError(f"a member of {group_id} did not join within 30 s")
+    return consumer

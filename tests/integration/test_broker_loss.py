@@ -15,7 +15,15 @@ import pytest
 
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
-from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+from tests.integration.pipeline import (
+    event,
+    ordered_kafka,
+    publish,
+    rows,
+    run_processor,
+    sample,
+    stuck_member,
+)
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 
@@ -165,13 +173,8 @@ def test_a_join_that_does_not_finish_is_reported_and_ends_the_processor(broker, 
     # own: the member given up mid-join stays in the group until the broker's rebalance
     # timeout and would hold up the next one to join it.
     kafka = ordered_kafka(broker.bootstrap_servers, f"join{os.getpid()}.")
-    stuck = kafka.consumer(group_id=f"join{os.getpid()}-groups")
+    stuck = stuck_member(kafka, f"join{os.getpid()}-groups")
     try:
-        stuck.subscribe([kafka.topics.events])
-        deadline = time.monotonic() + 30
-        while not stuck.assignment() and time.monotonic() < deadline:
-            stuck.poll(timeout_ms=200)
-        assert stuck.assignment(), "the stuck member did not join"
         process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5",
                               "--consumer-group", f"join{os.getpid()}")
         _, stderr = process.communicate(timeout=60)

@@ -14,7 +14,15 @@ from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from schemas.errors import RolloutlakeError
-from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+from tests.integration.pipeline import (
+    event,
+    ordered_kafka,
+    publish,
+    rows,
+    run_processor,
+    sample,
+    stuck_member,
+)
 
 
 @pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
@@ -59,13 +67,8 @@ def test_a_stuck_deployment_under_another_topic_prefix_does_not_hold_up_this_one
     group's rebalances for minutes: this deployment's stages must not be in that group."""
     other = ordered_kafka(broker.bootstrap_servers, f"stuck{uuid.uuid4().hex[:8]}.")
     other_groups = ProcessorConfig(kafka=other, lake=str(tmp_path / "other")).group_prefix
-    stuck = other.consumer(group_id=f"{other_groups}-groups")
+    stuck = stuck_member(other, f"{other_groups}-groups")
     try:
-        stuck.subscribe([other.topics.events])
-        deadline = time.monotonic() + 30
-        while not stuck.assignment() and time.monotonic() < deadline:
-            stuck.poll(timeout_ms=200)
-        assert stuck.assignment(), "the other deployment's member did not join"
         kafka = ordered_kafka(broker.bootstrap_servers, f"own{uuid.uuid4().hex[:8]}.")
         run = "own-run"
         publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},

@@ -44,12 +44,8 @@ def test_a_stage_between_a_revocation_and_its_next_take_over_is_not_idle(kafka, 
     published): `--until-idle` must not count it. A chaos run's last instance once exited
     there, joined to all four events partitions but before taking any over, and the held
     decisions of the run's last step never reached the tables."""
-    publish(kafka, "rejoin", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
-            [event("group_started", "rejoin", group_index=0, step=0, n_samples=1)])
-    lake = Lake(str(tmp_path / "lake"))
-    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    stage = idle_group_stage(kafka, tmp_path, "rejoin")
     try:
-        poll_until_idle(stage)
         owned = set(stage.consumer.assignment())
         assert owned and stage.clocks  # took its partitions over
 
@@ -70,10 +66,8 @@ def test_a_stage_whose_polls_come_back_empty_while_messages_wait_is_not_idle(kaf
     broker, the first fetch after a take-over): a CLI run on a loaded machine once ended
     idle before it had read its run. The stage is idle only once its positions reached
     the end offsets."""
-    lake = Lake(str(tmp_path / "lake"))
-    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    stage = idle_group_stage(kafka, tmp_path, None)
     try:
-        poll_until_idle(stage)
         partitions = set(stage.consumer.assignment())
         stage.consumer.pause(*partitions)  # fetches return nothing, as a stalled one does
         publish(kafka, "waiting", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
@@ -100,12 +94,8 @@ def test_a_revocation_never_followed_by_an_assignment_ends_in_a_new_join(kafka, 
     waited forever (Apache Kafka CI runs hung in --until-idle). After REJOIN_AFTER_S of
     polls the stage joins with a new consumer and takes its partitions over again."""
     monkeypatch.setattr(stage_module, "REJOIN_AFTER_S", 1.0)
-    publish(kafka, "stuck", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
-            [event("group_started", "stuck", group_index=0, step=0, n_samples=1)])
-    lake = Lake(str(tmp_path / "lake"))
-    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    stage = idle_group_stage(kafka, tmp_path, "stuck")
     try:
-        poll_until_idle(stage)
         owned = set(stage.consumer.assignment())
         stage.on_partitions_revoked(owned)  # and no assignment follows
         first = stage.consumer
@@ -117,6 +107,22 @@ def test_a_revocation_never_followed_by_an_assignment_ends_in_a_new_join(kafka, 
         assert "joining the group again" in caplog.text
     finally:
         stage.close()
+
+
+def idle_group_stage(kafka: KafkaSettings, tmp_path: Path, run: str | None) -> GroupStage:
+    """A group stage that took its partitions over and is idle, holding one open group of
+    `run` when given."""
+    if run is not None:
+        publish(kafka, run, {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+                [event("group_started", run, group_index=0, step=0, n_samples=1)])
+    lake = Lake(str(tmp_path / "lake"))
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    try:
+        poll_until_idle(stage)
+    except BaseException:
+        stage.close()
+        raise
+    return stage
 
 
 def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
@@ -138,13 +144,9 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
                           topic_prefix=f"slow{time.monotonic_ns()}.", event_partitions=2)
     kafka.ensure_topics()
-    publish(kafka, "slow", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
-            [event("group_started", "slow", group_index=0, step=0, n_samples=1)])
-    lake = Lake(str(tmp_path / "lake"))
-    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    stage = idle_group_stage(kafka, tmp_path, "slow")
     members = []
     try:
-        poll_until_idle(stage)
         group = stage.health.group_id
         slow = member(kafka, group, max_poll_interval_ms=8000)  # joins, then stops polling
         members.append(slow)
