@@ -224,36 +224,22 @@ class KafkaSettings(BaseModel):
     def _connect(self, client: type, options: dict[str, Any]) -> Any:
         options.setdefault("bootstrap_timeout_ms", self.bootstrap_timeout_ms)
         options.update(self.security_options())
-        with _connection_errors() as window:
-            # Built on a thread of its own, so that a refusal (a wrong password, an
-            # untrusted certificate) ends the wait at once: kafka-python retries it until
-            # the bootstrap timeout.
-            build = _ClientBuild(client, options, window.arrived)
-            while not build.done:
-                window.arrived.wait()
-                window.arrived.clear()
-                refusal = self._explain(window.messages, refusals_only=True)
-                if refusal is not None and not build.done:
+        with _connection_errors() as seen:
+            try:
+                return client(**options)
+            except KafkaError as err:
+                reason = self._explain(seen)
+                if reason is None:
                     raise BrokerUnavailableError(
-                        f"cannot connect to Kafka at {self.bootstrap_servers}: {refusal}")
-            if build.error is None:
-                return build.client
-            if not isinstance(build.error, KafkaError):
-                raise build.error
-            reason = self._explain(window.messages)
-            if reason is None:
+                        f"no Kafka broker answers at {self.bootstrap_servers} "
+                        f"({type(err).__name__})"
+                    ) from None
                 raise BrokerUnavailableError(
-                    f"no Kafka broker answers at {self.bootstrap_servers} "
-                    f"({type(build.error).__name__})"
+                    f"cannot connect to Kafka at {self.bootstrap_servers}: {reason}"
                 ) from None
-            raise BrokerUnavailableError(
-                f"cannot connect to Kafka at {self.bootstrap_servers}: {reason}"
-            ) from None
 
-    def _explain(self, seen: list[str], refusals_only: bool = False) -> str | None:
-        """Why bootstrapping failed, from what kafka-python logged while it tried;
-        `refusals_only` leaves out what a retry could still get past (a dropped
-        connection)."""
+    def _explain(self, seen: list[str]) -> str | None:
+        """Why bootstrapping failed, from what kafka-python logged while it tried."""
         text = " ".join(seen)
         if "SaslAuthenticationFailed" in text:
             return (f"SASL {self.sasl_mechanism} login of user {self.sasl_username!r} was "
@@ -266,7 +252,7 @@ class KafkaSettings(BaseModel):
             return (f"the broker does not speak TLS on that port (security_protocol "
                     f"{self.security_protocol})")
         if self.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT") and (
-            _TLS_ALERT_FRAME in text or ("socket disconnected" in text and not refusals_only)
+            _TLS_ALERT_FRAME in text or "socket disconnected" in text
         ):
             return (f"the broker closed the connection: it may expect TLS "
                     f"(security_protocol is {self.security_protocol}; try SSL or SASL_SSL)")
@@ -334,39 +320,14 @@ def security_from_env(env: Mapping[str, str], *, skip: Any = ()) -> dict[str, An
 
 
 class _ConnectionErrorLog(logging.Handler):
-    """Keeps what kafka-python logs (from its network thread) while a client bootstraps;
-    `arrived` is set on each line."""
+    """Keeps what kafka-python logs (from its network thread) while a client bootstraps."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
-        self.arrived = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
-        self.arrived.set()
-
-
-class _ClientBuild(threading.Thread):
-    """`client(**options)` on a daemon thread; sets `finished` once it returned or raised.
-    A build given up on (a refusal) ends by itself at its bootstrap timeout."""
-
-    def __init__(self, client: type, options: dict[str, Any], finished: threading.Event):
-        super().__init__(name="kafka-client-build", daemon=True)
-        self.client_type, self.options, self.finished = client, options, finished
-        self.client: Any = None
-        self.error: BaseException | None = None
-        self.done = False
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.client = self.client_type(**self.options)
-        except BaseException as err:  # handed to the thread that asked for the client
-            self.error = err
-        finally:
-            self.done = True
-            self.finished.set()
 
 
 # Held while a client is built: the window changes the `kafka` logger for the process,
@@ -375,18 +336,18 @@ _CONNECTION_WINDOW = threading.RLock()
 
 
 @contextmanager
-def _connection_errors() -> Iterator[_ConnectionErrorLog]:
+def _connection_errors() -> Iterator[list[str]]:
     """kafka-python only says 'unable to bootstrap'; why is in the lines it logs meanwhile.
 
     They go into the one-line error instead of the terminal: a failed bootstrap retries many
     times a second. Clients are built at start-up, so little else is logged in the window.
     """
-    with _CONNECTION_WINDOW, _collecting_kafka_lines() as collector:
-        yield collector
+    with _CONNECTION_WINDOW, _collecting_kafka_lines() as messages:
+        yield messages
 
 
 @contextmanager
-def _collecting_kafka_lines() -> Iterator[_ConnectionErrorLog]:
+def _collecting_kafka_lines() -> Iterator[list[str]]:
     kafka_log = logging.getLogger("kafka")
     saved = kafka_log.level, kafka_log.propagate
     collector = _ConnectionErrorLog()
@@ -394,7 +355,7 @@ def _collecting_kafka_lines() -> Iterator[_ConnectionErrorLog]:
     kafka_log.setLevel(min(kafka_log.getEffectiveLevel(), logging.WARNING))
     kafka_log.propagate = False
     try:
-        yield collector
+        yield collector.messages
     finally:
         kafka_log.removeHandler(collector)
         # setLevel, not the attribute: it clears the loggers' cached isEnabledFor answers,
