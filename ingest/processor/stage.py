@@ -30,8 +30,8 @@ TOPIC_WAIT_S = 10.0
 # one), most of a processor's start-up at 6 s; Apache Kafka refuses less than its
 # group.min.session.timeout.ms, 6000 by default.
 SESSION_TIMEOUTS_MS = (2000, 6000)
-# How often a stage that got nothing compares its positions with the end offsets (`idle`
-# needs them reached), and after how many seconds of empty polls behind them it says why.
+# How often a stage compares its positions with the end offsets (`idle` needs them
+# reached), and after how many seconds of empty polls behind them it says why.
 CATCH_UP_CHECK_S = 0.5
 STALL_REPORT_S = 10.0
 # A partition the consumer lists as assigned that was never handed over (or was revoked
