@@ -9,6 +9,7 @@ an object store) and runs on the default engine only, to keep the suite's time.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -19,6 +20,9 @@ from ingest.io.kafka import KafkaSettings
 
 
 def pytest_configure(config):
+    # The suite logs at INFO so that a failure shows the stages' own lines; kafka-python's
+    # INFO lines (every connection opened and closed) would push those out of view.
+    logging.getLogger("kafka").setLevel(logging.WARNING)
     config.addinivalue_line(
         "markers", "one_broker(reason): runs on the default broker engine only")
 

@@ -52,6 +52,16 @@ SECURITY_FIELDS = ("security_protocol", "sasl_mechanism", "sasl_username", "sasl
 SECRET_FIELDS = ("sasl_password", "ssl_key_password")
 
 
+def fetch_position(consumer: KafkaConsumer, tp: Any) -> int | None:
+    """The next offset `consumer` fetches of its assigned `tp`, None until it is known.
+
+    Read from the consumer's subscription state: `position()` may send a request and
+    block, and kafka-python has no public view of the state without one.
+    """
+    state = consumer._subscription.assignment.get(tp)
+    return None if state is None or state.position is None else state.position.offset
+
+
 def key_partition(key: bytes, partitions: int) -> int:
     """The partition a key belongs on (CONTRACT section 1): murmur2, as the Java client and
     kafka-python compute it, and as librdkafka's `partitioner=murmur2_random` does."""

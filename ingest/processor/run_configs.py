@@ -10,7 +10,7 @@ import orjson
 import pyarrow as pa
 from kafka import TopicPartition
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, fetch_position
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.dead_letters import DeadLetters
 from ingest.processor.offsets import app_id
@@ -19,6 +19,12 @@ from schemas.events import RunConfig, RunStarted, decode_event
 from schemas.tables import RUNS, utc_micros
 
 log = logging.getLogger(__name__)
+CATCH_UP_S = 10.0
+# Checks in a row (`read_to_end`, twice a second) that find the consumer behind the
+# topic's end offsets without having read anything since the previous one, after which it
+# is replaced: kafka-python 3.0 can leave a fetch that never completes (seen on Apache
+# Kafka), and a group stage waits for its run's config until it is read.
+STALLED_CHECKS = 20
 
 
 class RunConfigs:
@@ -44,11 +50,25 @@ class RunConfigs:
         self._saved: dict[int, int | None] = {}  # partition -> recorded offset
         if lake is not None:
             self._load(lake)
-        self._consumer = kafka.consumer(group_id=None)
-        partitions = self._consumer.partitions_for_topic(self.topic) or {0}
+        self._kafka = kafka
+        self._tps: list[TopicPartition] = []
+        self._consumer = self._reader({})
+        self._positions_checked: dict[TopicPartition, int | None] = {}
+        self._stalled_checks = 0
+
+    def _reader(self, positions: dict[TopicPartition, int | None]) -> Any:
+        """A consumer of every partition of the topic, at `positions` (else the start)."""
+        consumer = self._kafka.consumer(group_id=None)
+        partitions = consumer.partitions_for_topic(self.topic) or {0}
         self._tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        self._consumer.assign(self._tps)
-        self._consumer.seek_to_beginning(*self._tps)
+        consumer.assign(self._tps)
+        for tp in self._tps:
+            offset = positions.get(tp)
+            if offset is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, offset)
+        return consumer
 
     def _load(self, lake: Lake) -> None:
         saved = lake.read("runs", columns=["run_id", "config", "dataset", "ingested_at",
@@ -73,15 +93,36 @@ class RunConfigs:
                     changed = True
                     self._apply(record)
 
-    def catch_up(self, timeout_s: float = 10.0) -> None:
+    def catch_up(self) -> None:
         """Read up to the end offsets as of now (used at start, before any decision)."""
         end = self._consumer.end_offsets(self._tps)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + CATCH_UP_S
         while any(self._consumer.position(tp) < end[tp] for tp in self._tps):
             if time.monotonic() > deadline:
-                log.warning("runs topic not fully read after %.0f s", timeout_s)
+                log.warning("runs topic not fully read after %.0f s", CATCH_UP_S)
                 return
             self.refresh(timeout_ms=200)
+
+    def read_to_end(self, timeout_ms: int) -> bool:
+        """Has every `run_started` published so far been read? A stage is not idle before:
+        its groups may be waiting for their run's config. A consumer found behind with
+        nothing read for STALLED_CHECKS checks in a row is replaced. Raises `KafkaError`
+        when the broker does not answer."""
+        end = self._consumer.end_offsets(self._tps, timeout_ms=timeout_ms)
+        positions = {tp: fetch_position(self._consumer, tp) for tp in self._tps}
+        behind = [tp for tp in self._tps if (positions[tp] or 0) < end[tp]]
+        stalled = bool(behind) and positions == self._positions_checked
+        self._stalled_checks = self._stalled_checks + 1 if stalled else 0
+        self._positions_checked = positions
+        if self._stalled_checks >= STALLED_CHECKS:
+            log.warning("runs topic: %s stayed behind the end offsets %s with nothing read "
+                        "for %d checks; reading it with a new consumer",
+                        {tp.partition: positions[tp] for tp in behind},
+                        {tp.partition: end[tp] for tp in behind}, self._stalled_checks)
+            self._consumer.close()
+            self._consumer = self._reader(positions)
+            self._stalled_checks = 0
+        return not behind
 
     def _apply(self, record: Any) -> None:
         try:

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
 
+from ingest.io.kafka import fetch_position
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
@@ -31,7 +32,9 @@ TOPIC_WAIT_S = 10.0
 # group.min.session.timeout.ms, 6000 by default.
 SESSION_TIMEOUTS_MS = (2000, 6000)
 # How often a stage compares its positions with the end offsets (`idle` needs them
-# reached), and after how many seconds of empty polls behind them it says why.
+# reached), and after how many seconds of empty polls behind them it says why and, unless
+# those partitions are paused, joins again with a new consumer (a fetch that never
+# completes: kafka-python 3.0 on Apache Kafka).
 CATCH_UP_CHECK_S = 0.5
 STALL_REPORT_S = 10.0
 # A partition the consumer lists as assigned that was never handed over (or was revoked
@@ -169,7 +172,9 @@ class Stage(ConsumerRebalanceListener):
             polled = {tp: r for tp, r in polled.items() if tp not in assigned}
         self.health.observe_join(self.joined, now)
         if self._assignment_stuck():
-            self._rejoin_with_a_new_consumer()
+            self._rejoin_with_a_new_consumer(
+                f"kept partitions assigned without handing them over for {REJOIN_AFTER_S:.0f} s "
+                "of polls (an unfinished rejoin)")
             return 0
         batch = self._new_batch()
         count = 0
@@ -192,7 +197,8 @@ class Stage(ConsumerRebalanceListener):
             self.empty_polls = self.stall_reported_at = 0
         else:
             self.empty_polls += 1
-        self._check_caught_up()
+        if self._check_caught_up():
+            self._rejoin_with_a_new_consumer("stopped fetching while behind its end offsets")
         self.working = False
         if batch.last_offset:
             self.health.last_commit_at = time.time()
@@ -211,16 +217,13 @@ class Stage(ConsumerRebalanceListener):
         return self.unowned_polls >= max(1, int(REJOIN_AFTER_S * 1000
                                                 / self.config.poll_timeout_ms))
 
-    def _rejoin_with_a_new_consumer(self) -> None:
-        """Leave the group and join it again: what a stuck rebalance needs. The partitions
-        this stage owns are released and taken over again from the lake, as after any
-        rebalance."""
+    def _rejoin_with_a_new_consumer(self, why: str) -> None:
+        """Leave the group and join it again: what a consumer stuck in a rebalance or a
+        fetch needs. The partitions this stage owns are released and taken over again
+        from the lake, as after any rebalance."""
         assigned = set(self.consumer.assignment())
-        log.warning("%s stage: partitions %s stayed assigned without being handed over for "
-                    "%.0f s of polls (an unfinished rejoin); joining the group again",
-                    self.health.role,
-                    sorted(tp.partition for tp in assigned if tp.partition not in self.owned),
-                    REJOIN_AFTER_S)
+        log.warning("%s stage: the consumer %s; joining the group again with a new one",
+                    self.health.role, why)
         self.on_partitions_revoked(assigned)
         self.consumer.close()
         self.newly_assigned, self.rebalanced, self.unowned_polls = set(), False, 0
@@ -228,44 +231,48 @@ class Stage(ConsumerRebalanceListener):
         self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
         self.consumer = self._member()
 
-    def _check_caught_up(self) -> None:
+    def _check_caught_up(self) -> bool:
         """At most every CATCH_UP_CHECK_S: have the owned partitions been read to the end
-        offsets they had at the previous check? A poll can come back empty while messages
-        wait (a slow broker, the first fetch after a take-over), and `idle` must not take
-        that for the end. A partition still behind after STALL_REPORT_S of empty
-        polls is logged with its fetch state: what a consumer that stopped fetching looks
-        like. Polls are counted, not seconds, so a process that was frozen (SIGSTOP, a
-        descheduled container) does not look stalled when it wakes."""
+        offsets they had at the previous check, and the runs topic to its end? A poll can
+        come back empty while messages wait (a slow broker, the first fetch after a
+        take-over), and `idle` must not take that for the end. A partition still behind
+        after STALL_REPORT_S of empty polls is logged with its fetch state; True when one
+        of them is not paused: a fetch that never completes (kafka-python 3.0 on Apache
+        Kafka), which a new consumer ends. Polls are counted, not seconds, so a process
+        that was frozen (SIGSTOP, a descheduled container) does not look stalled when it
+        wakes."""
         now = time.monotonic()
         if self.health.unreachable_since is not None or now - self.end_checked_at < CATCH_UP_CHECK_S:
-            return
+            return False
         self.end_checked_at = now
         owned = [tp for tp in self.consumer.assignment() if tp.partition in self.owned]
         try:
             end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+            runs_read = self.runs.read_to_end(timeout_ms=int(PROBE_TIMEOUT_S * 1000))
         except KafkaError:
-            return  # the broker health check reports an outage
+            return False  # the broker health check reports an outage
         # What the partitions held at the previous check must have been read: a topic that
         # never stops growing (the group stage's watermarks on `rollout.decisions`) is never
         # read to its current end, but always to where it was half a second ago.
         target = {tp: self.ends_checked.get(tp, end[tp]) for tp in owned}
         self.ends_checked = end
-        states = self.consumer._subscription.assignment  # no public view without requests
-        behind = [(tp, states[tp]) for tp in owned if tp in states and (
-            states[tp].position is None or states[tp].position.offset < target[tp])]
-        self.caught_up = not behind
+        behind = [tp for tp in owned if (fetch_position(self.consumer, tp) or 0) < target[tp]]
+        self.caught_up = not behind and runs_read
         polls = max(1, int(STALL_REPORT_S * 1000 / self.config.poll_timeout_ms))
         if not behind or self.empty_polls - self.stall_reported_at < polls:
-            return
+            return False
         self.stall_reported_at = self.empty_polls
-        for tp, state in behind:
+        states = self.consumer._subscription.assignment  # no public view without requests
+        for tp in behind:
+            state = states[tp]
             log.warning(
                 "%s stage: %s[%d] holds messages up to offset %d, but %d polls in a row "
                 "returned none: position %s, paused %s, awaiting reset %s, awaiting "
                 "validation %s, pending revocation %s", self.health.role, tp.topic,
-                tp.partition, target[tp] - 1, self.empty_polls,
-                None if state.position is None else state.position.offset, state.paused,
-                state.awaiting_reset, state.awaiting_validation, state._pending_revocation)
+                tp.partition, target[tp] - 1, self.empty_polls, fetch_position(self.consumer, tp),
+                state.paused, state.awaiting_reset, state.awaiting_validation,
+                state._pending_revocation)
+        return any(not states[tp].paused for tp in behind)
 
     def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
         """Refuse to resume a partition of a topic that was recreated since the lake read it.

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kafka import KafkaConsumer
@@ -15,12 +16,13 @@ from kafka import KafkaConsumer
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.processor import run_configs as run_configs_module
 from ingest.processor import stage as stage_module
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
 from ingest.processor.main import Processor
-from tests.integration.pipeline import event, ordered_kafka, publish, run_processor
+from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
 
 
 def test_a_backlog_longer_to_commit_than_the_idle_time_is_finished(broker, tmp_path):
@@ -109,6 +111,65 @@ def test_a_revocation_never_followed_by_an_assignment_ends_in_a_new_join(kafka, 
         stage.close()
 
 
+@pytest.mark.one_broker("the test stands in for the consumer's fetches itself")
+def test_a_consumer_that_stops_fetching_is_replaced(kafka, tmp_path, monkeypatch, caplog):
+    """kafka-python 3.0 on Apache Kafka once left a fetch that never completed: the
+    partition stayed fetchable and behind its end offset, and poll after poll returned
+    nothing, so a group timed out that the stage never read. After STALL_REPORT_S of such
+    polls the stage joins with a new consumer."""
+    monkeypatch.setattr(stage_module, "STALL_REPORT_S", 1.0)
+    stage = idle_group_stage(kafka, tmp_path, None)
+    try:
+        stalled = stage.consumer
+        stalled.poll = lambda timeout_ms, **_: time.sleep(timeout_ms / 1000) or {}
+        publish(kafka, "refetched", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+                complete_group("refetched"))
+        poll_for(stage, 1.0)  # the stage compares with the end offsets twice a second
+        poll_until_idle(stage)
+        assert stage.consumer is not stalled
+        assert ("refetched", 0) in stage.decided
+        assert "stopped fetching while behind its end offsets" in caplog.text
+    finally:
+        stage.close()
+
+
+@pytest.mark.one_broker("the test stands in for the consumer's fetches itself")
+def test_a_group_waiting_for_a_run_config_not_read_yet_is_not_idle(kafka, tmp_path,
+                                                                   monkeypatch, caplog):
+    """A complete group waits for its run's `run_started`, which comes on another topic
+    through another consumer; a stage read to the end of its events while that consumer
+    lagged counted as idle, and `--until-idle` ended with the group undecided (a CI run on
+    Apache Kafka ended with an empty `groups` table). That consumer, found stalled, is
+    replaced."""
+    monkeypatch.setattr(run_configs_module, "STALLED_CHECKS", 10**6)
+    stage = idle_group_stage(kafka, tmp_path, None)
+    try:
+        stalled = stage.runs._consumer
+        stalled.poll = lambda timeout_ms, **_: {}
+        publish(kafka, "unread", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+                complete_group("unread"))
+        poll_for(stage, 1.0)  # the stage compares with the end offsets twice a second
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            stage.poll_once()
+            assert not stage.idle
+        assert ("unread", 0) in stage.pending  # read, and waiting for its config
+
+        monkeypatch.setattr(run_configs_module, "STALLED_CHECKS", 2)
+        poll_until_idle(stage)
+        assert stage.runs._consumer is not stalled
+        assert ("unread", 0) in stage.decided
+        assert "reading it with a new consumer" in caplog.text
+    finally:
+        stage.close()
+
+
+def complete_group(run: str) -> list[dict[str, Any]]:
+    """Group 0 of `run`, one sample with its reward: complete once read."""
+    return [event("group_started", run, group_index=0, step=0, n_samples=1),
+            sample(run, 0, 0, 1.0)]
+
+
 def idle_group_stage(kafka: KafkaSettings, tmp_path: Path, run: str | None) -> GroupStage:
     """A group stage that took its partitions over and is idle, holding one open group of
     `run` when given."""
@@ -123,6 +184,12 @@ def idle_group_stage(kafka: KafkaSettings, tmp_path: Path, run: str | None) -> G
         stage.close()
         raise
     return stage
+
+
+def poll_for(stage: GroupStage, seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        stage.poll_once()
 
 
 def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
