@@ -15,6 +15,11 @@ requests in flight are aborted on every engine and its samples not yet sent are 
 sent: both become `sample_aborted(reason="cancelled")`, which the processor counts as
 `cancelled_at_seal`, and the worker moves on to the next step.
 
+With `--partial-rollout` a group cancelled at a seal is kept, with its tokens, on the
+compacted `rollout.partial` topic (`ingest/workers/partial.py`), and the next rounds
+continue it first, from those tokens with the remaining `max_new_tokens`, also in a
+worker started later.
+
 On `weights_updated` every engine reloads the new weights (in place, requests in flight
 finishing under the old ones); requests wait meanwhile, and each sample carries the
 weight version its request was sent under. With `max_staleness` k, step s is issued only
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -40,10 +46,19 @@ from rich.text import Text
 from ingest.core.filters import FilterArgs, SampleStatus
 from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
-from ingest.workers.engines import Engine, EngineError, Generation, Sampling
+from ingest.workers.engines import Engine, EngineError, FinishStatus, Generation, Sampling
+from ingest.workers.partial import (
+    PartialStore,
+    continuation_event_id,
+    loss_mask,
+    plan_round,
+    prompt_of,
+    stored_prompt,
+)
 from ingest.workers.prompts import IssuedGroup, Prompt, PromptSource
 from ingest.workers.rewards import RewardSample, score, score_group
 from schemas.control import Demand, StepSealed, WeightsUpdated
+from schemas.partial import PartialGroup, PartialSample
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +66,13 @@ PROGRESS_INTERVAL_S = 0.5
 # Groups of step s's extra rounds are numbered from EXTRA_GROUPS * (s + 1): above the first
 # rounds' `s * groups_per_step` of any step, and apart from every other step's extras.
 EXTRA_GROUPS = 2**32
+
+EventIds = Callable[..., str | None]
+
+
+def _random_ids(kind: str, rollout_id: int | None = None) -> None:
+    """Event ids of a fresh group: the SDK draws random ones."""
+    return None
 
 
 @dataclass
@@ -89,13 +111,16 @@ class RolloutWorker:
 
     def __init__(self, config: WorkerConfig, *, publisher: RolloutPublisher,
                  engines: list[Engine], tokenizer: Any, reward_fn: Callable[..., Any],
-                 prompts: PromptSource, terminal: TextIO | None = None):
+                 prompts: PromptSource, terminal: TextIO | None = None,
+                 partial: PartialStore | None = None):
         self.config = config
         self.publisher = publisher
         self.engines = engines
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.prompts = prompts
+        self.partial = partial  # set with --partial-rollout
+        self._recycled: list[PartialGroup] = []  # waiting for a round, oldest first
         self.terminal = terminal if terminal is not None and terminal.isatty() else None
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
                                  max_new_tokens=config.max_new_tokens,
@@ -171,8 +196,18 @@ class RolloutWorker:
         task.add_done_callback(lambda _task: self._heard())
 
     async def _run_round(self, step: int, first: int, count: int) -> None:
-        groups = await self.prompts.take(step, first, count)
-        await asyncio.gather(*(self._run_group(step, group) for group in groups))
+        """The round's groups: recycled ones first (`plan_round`), fresh prompts on the
+        indexes they leave."""
+        continuing, self._recycled = plan_round(self._recycled, step,
+                                                list(range(first, first + count)))
+        taken = {index for index, _, _ in continuing}
+        fresh = [group for group in await self.prompts.take(step, first, count)
+                 if group.group_index not in taken]
+        await asyncio.gather(
+            *(self._run_group(as_step, IssuedGroup(index, prompt_of(recycled), started=False),
+                              recycled)
+              for index, as_step, recycled in continuing),
+            *(self._run_group(step, group) for group in fresh))
 
     def _in_background(self, work: Any) -> None:
         task = asyncio.create_task(work)
@@ -225,6 +260,9 @@ class RolloutWorker:
     async def run(self) -> Progress:
         await self._check_engines()
         self.progress = Progress()  # tokens/s counts from the first request
+        if self.partial is not None:
+            self._recycled = self.partial.load()
+            log.info("%d recycled groups to continue", len(self._recycled))
         # With --prompts-from, the run's `run_started` is the gateway's, with its dataset.
         if self.config.publish_run_started and self.config.prompts_from is None:
             self.publisher.run_started(self.config.run, self.config.run_config(),
@@ -294,31 +332,80 @@ class RolloutWorker:
             except TimeoutError:
                 pass
 
-    async def _run_group(self, step: int, group: IssuedGroup) -> None:
+    async def _run_group(self, step: int, group: IssuedGroup,
+                         recycled: PartialGroup | None = None) -> None:
+        """Run one group: fresh, or continuing the cancelled group `recycled`."""
         group_index, prompt = group.group_index, group.prompt
         n = self.config.n_samples_per_prompt
+        metadata = prompt.metadata
+        priors: list[PartialSample | None] = [None] * n
+        ids: EventIds = _random_ids
+        if recycled is not None:
+            assert self.partial is not None
+            if recycled.state == "pending":  # durable before anything of the group is sent
+                recycled = self.partial.claim(recycled, group_index, step)
+            origin = recycled.group_index
+            metadata = {**metadata, "recycled_from": origin}
+            for sample in recycled.samples:
+                priors[sample.rollout_id] = sample
+            ids = functools.partial(continuation_event_id, self.config.run, origin,
+                                    group_index)
         if not group.started:
             self.publisher.group_started(
                 self.config.run, group_index=group_index, step=step, n_samples=n,
-                prompt=prompt.text, label=prompt.label, metadata=prompt.metadata or None)
+                prompt=prompt.text, label=prompt.label, metadata=metadata or None,
+                event_id=ids("group_started"))
         self.progress.groups_issued += 1
-        finished = await asyncio.gather(*(self._run_sample(step, group_index, r, prompt)
-                                          for r in range(n)))
+        outcomes = await asyncio.gather(*(
+            self._run_sample(step, group_index, r, prompt, priors[r], ids) for r in range(n)))
         if self.config.group_rm:
-            await self._publish_group_rewards([s for s in finished if s is not None])
+            await self._publish_group_rewards([s for s, _ in outcomes if s is not None], ids)
+        if self.partial is not None:
+            self._keep_partial(step, group_index, prompt, [p for _, p in outcomes], recycled)
 
-    async def _publish_group_rewards(self, samples: list[RewardSample]) -> None:
+    def _keep_partial(self, step: int, group_index: int, prompt: Prompt,
+                      samples: list[PartialSample | None], recycled: PartialGroup | None
+                      ) -> None:
+        """`--partial-rollout`: a group the seal cancelled (every sample finished or
+        cancelled, none failed) is recorded for a later round; the group it continued is
+        written done once this group's events are acknowledged."""
+        assert self.partial is not None
+        kept = [s for s in samples if s is not None]
+        if len(kept) == len(samples) and any(s.status in ("cancelled", "unsent") for s in kept):
+            group = PartialGroup(run_id=self.config.run, group_index=group_index, step=step,
+                                 prompt=stored_prompt(prompt), samples=kept)
+            self.partial.put(group)
+            self._recycled.append(group)
+        if recycled is not None:
+            self.publisher.flush()
+            self.partial.done(recycled.group_index)
+
+    async def _publish_group_rewards(self, samples: list[RewardSample], ids: EventIds) -> None:
         """`--group-rm`: the group's finished samples went out without rewards; score them
         at once and send one `reward` each."""
         rewards = await score_group(self.reward_fn, self.reward_args, samples)
         for sample, reward in zip(samples, rewards, strict=True):
             self.publisher.reward(self.config.run, group_index=sample.group_index,
-                                  rollout_id=sample.rollout_id, reward=reward)
+                                  rollout_id=sample.rollout_id, reward=reward,
+                                  event_id=ids("reward", sample.rollout_id))
 
-    async def _run_sample(self, step: int, group_index: int, rollout_id: int,
-                          prompt: Prompt) -> RewardSample | None:
-        """Generate and publish one sample; the finished sample, None when it was not."""
+    async def _run_sample(self, step: int, group_index: int, rollout_id: int, prompt: Prompt,
+                          prior: PartialSample | None, ids: EventIds
+                          ) -> tuple[RewardSample | None, PartialSample | None]:
+        """Generate (or, for a recycled rollout, continue) and publish one sample: the
+        finished sample (None when it was not), and where it stands for partial rollout
+        (None when it failed)."""
         sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
+        before = prior or PartialSample(rollout_id=rollout_id, status="unsent")
+        # A rollout that needs no request finished under the weights of its last token.
+        finished_under = max(before.versions, default=self.weight_version)
+        if before.status in ("completed", "truncated"):  # finished before it was cancelled
+            return await self._publish_finished(group_index, rollout_id, sample_index, prompt,
+                                                before, before.status, finished_under, ids)
+        budget = self.config.max_new_tokens - len(before.tokens)
+        if budget <= 0:  # Miles: no budget left is truncated, without a request
+            return await self._publish_finished(group_index, rollout_id, sample_index, prompt,
+                                                before, "truncated", finished_under, ids)
         engine = self.engines[sample_index % len(self.engines)]
         request_id = f"{self.config.run}-g{group_index}-r{rollout_id}-{uuid.uuid4().hex[:8]}"
         generation: Generation | None = None
@@ -331,34 +418,42 @@ class RolloutWorker:
                 self._in_flight[step].add(request_id)
                 self.progress.in_flight += 1
                 try:
-                    generation = await engine.generate(prompt.tokens,
-                                                       self._sampling_for(sample_index),
-                                                       request_id)
+                    generation = await engine.generate(
+                        [*prompt.tokens, *before.tokens],
+                        dataclasses.replace(self._sampling_for(sample_index),
+                                            max_new_tokens=budget),
+                        request_id)
                 except EngineError as err:
                     if request_id not in self._cancelled:
                         self._engine_failed(str(err))
                 finally:
                     self.progress.in_flight -= 1
                     self._in_flight[step].discard(request_id)
+        now = before if generation is None else PartialSample(
+            rollout_id=rollout_id, status="cancelled",
+            tokens=[*before.tokens, *generation.tokens],
+            log_probs=[*before.log_probs, *generation.log_probs],
+            versions=[*before.versions, *[weight_version] * len(generation.tokens)])
         if request_id in self._cancelled and (generation is None
                                               or generation.status == "aborted"):
             self.publisher.sample_aborted(
                 self.config.run, group_index=group_index, rollout_id=rollout_id,
-                reason="cancelled",
-                response_tokens=generation.tokens if generation is not None else None)
+                reason="cancelled", response_tokens=now.tokens or None,
+                recyclable=self.partial is not None, event_id=ids("aborted", rollout_id))
             self.progress.samples_cancelled += 1
-            return None
+            return None, now.model_copy(
+                update={"status": "cancelled" if now.tokens else "unsent"})
         if generation is None or generation.status == "aborted":
             if generation is not None:
                 self._engine_failed(f"{engine.name} at {engine.url} aborted {request_id}")
             self.publisher.sample_aborted(
                 self.config.run, group_index=group_index, rollout_id=rollout_id,
-                reason="engine_error",
-                response_tokens=generation.tokens if generation is not None else None)
+                reason="engine_error", response_tokens=now.tokens or None,
+                event_id=ids("aborted", rollout_id))
             self.progress.samples_aborted += 1
-            return None
-        return await self._publish_finished(group_index, rollout_id, sample_index, prompt,
-                                            generation, weight_version)
+            return None, None
+        return await self._publish_finished(group_index, rollout_id, sample_index, prompt, now,
+                                            generation.status, weight_version, ids)
 
     def _sampling_for(self, sample_index: int) -> Sampling:
         if self.config.seed is None:
@@ -371,29 +466,35 @@ class RolloutWorker:
         log.warning("engine error: %s", message)
 
     async def _publish_finished(self, group_index: int, rollout_id: int, sample_index: int,
-                                prompt: Prompt, generation: Generation,
-                                weight_version: int) -> RewardSample:
-        response = self.tokenizer.decode(generation.tokens, skip_special_tokens=True)
+                                prompt: Prompt, response: PartialSample, status: FinishStatus,
+                                weight_version: int, ids: EventIds
+                                ) -> tuple[RewardSample, PartialSample]:
+        """Score and publish a finished sample. `response` holds all its response tokens;
+        with --mask-offpolicy-in-partial-rollout those of weights older than
+        `weight_version` (a continued rollout's) get loss mask 0."""
+        tokens, log_probs, versions = response.tokens, response.log_probs, response.versions
+        mask = loss_mask(versions, weight_version,
+                         mask_offpolicy=self.config.mask_offpolicy_in_partial_rollout)
+        oldest = min(versions, default=weight_version)  # Miles' oldest_weight_version
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         sample = RewardSample(
             group_index=group_index, index=sample_index, rollout_id=rollout_id,
-            status=SampleStatus(generation.status), prompt=prompt.text, label=prompt.label,
-            tokens=[*prompt.tokens, *generation.tokens],
-            response_length=len(generation.tokens), loss_mask=[1] * len(generation.tokens),
-            rollout_log_probs=list(generation.log_probs),
-            weight_versions=[weight_version], metadata=dict(prompt.metadata),
-            response=response)
+            status=SampleStatus(status), prompt=prompt.text, label=prompt.label,
+            tokens=[*prompt.tokens, *tokens], response_length=len(tokens), loss_mask=mask,
+            rollout_log_probs=list(log_probs),
+            weight_versions=sorted(set(versions)) or [weight_version],
+            metadata=dict(prompt.metadata), response=text)
         # With --group-rm the reward follows in a `reward` event once the group is scored.
         scored = {} if self.config.group_rm else {
             "reward": await score(self.reward_fn, self.reward_args, sample)}
         self.publisher.sample_finished(
             self.config.run, group_index=group_index, rollout_id=rollout_id,
-            status=generation.status, prompt_tokens=prompt.tokens,
-            response_tokens=generation.tokens, loss_mask=[1] * len(generation.tokens),
-            rollout_log_probs=generation.log_probs, **scored, sample_index=sample_index,
-            weight_version=weight_version, response_text=response)
+            status=status, prompt_tokens=prompt.tokens, response_tokens=tokens,
+            loss_mask=mask, rollout_log_probs=log_probs, **scored, sample_index=sample_index,
+            weight_version=oldest, response_text=text, event_id=ids("finished", rollout_id))
         self.progress.samples_finished += 1
-        self.progress.response_tokens += len(generation.tokens)
-        return sample
+        self.progress.response_tokens += len(tokens)
+        return sample, response.model_copy(update={"status": status})
 
     async def _draw(self) -> None:
         """Redraw the progress line on the terminal, cut to its width."""

@@ -117,6 +117,9 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
     (("--prompts-from", "http://127.0.0.1:1"),
      "rolloutlake worker: give exactly one of --prompt-data and --prompts-from"),
+    (("--mask-offpolicy-in-partial-rollout",),
+     "rolloutlake worker: --mask-offpolicy-in-partial-rollout: masks continued rollouts, so "
+     "it needs --partial-rollout"),
     (("--max-over-sampling-rounds", "0"),
      "rolloutlake worker: --max-over-sampling-rounds: Input should be greater than or equal "
      "to 1"),

@@ -1,0 +1,156 @@
+"""The worker on a real vLLM engine with `--partial-rollout`: groups cancelled at a seal
+survive a kill -9 of the worker on the compacted partial topic and continue exactly once,
+from their tokens, in a worker started later."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ingest.workers.partial import PartialStore
+from tests.integration.pipeline import by_group, rows
+from tests.support.engine_server import (
+    CLI,
+    ROOT,
+    published,
+    running_engine,
+    worker_command,
+    write_dataset,
+)
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
+
+REWARD = "tests.support.user_rewards.digit_share_or_raise"
+JOINED = "stage: joined consumer group"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with running_engine(tmp_path_factory.mktemp("engine")) as running:
+        yield running
+
+
+def _wait_for_line(process: subprocess.Popen[str], text: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            break
+        seen.append(line)
+        if text in line:
+            return
+    pytest.fail(f"no {text!r} from the worker: {''.join(seen)[-2000:]}")
+
+
+def _wait_until_following(processor: subprocess.Popen[str], log: Path,
+                          timeout_s: float = 300) -> None:
+    """Both processor stages joined their consumer groups: from here a decision is made,
+    and a step sealed, within a poll of the events that decide it."""
+    deadline = time.monotonic() + timeout_s
+    while log.read_text().count(JOINED) < 2:
+        assert processor.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, f"processor not following: {log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens(
+        engine, kafka, lake_root, tmp_path):
+    """Step 0 issues 16 groups for a batch of 1 and is cancelled at its seal, mid-generation;
+    the worker then waits for weights that never come (`--max-staleness 0`) with the
+    cancelled groups recycled, and is killed with SIGKILL. A new worker continues every
+    recycled group once in step 1, from its tokens to the 480-token budget, and with
+    `--mask-offpolicy-in-partial-rollout` the tokens of the older weights are masked."""
+    run_id = "partial-kill9"
+    budget, groups = 480, 16  # seconds of generation: the seal lands mid-step
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    common = ("--partial-rollout", "--n-samples-per-prompt", "2", "--max-new-tokens",
+              str(budget), "--ignore-eos", "--max-in-flight", "8")
+    processor_log = tmp_path / "processor.log"
+    with processor_log.open("w") as log_file:
+        # No --until-idle: the worker restart takes a while on a loaded machine; it is
+        # stopped once the second worker has seen step 1 sealed.
+        processor = subprocess.Popen(
+            [*CLI, "process", "--lake", lake_root, "--bootstrap-servers",
+             kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix],
+            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    first = None
+    try:
+        # The seal must come while step 0 generates: start the worker only once the
+        # processor follows the stream (started together, a slow processor start let
+        # the whole step finish before its seal).
+        _wait_until_following(processor, processor_log)
+        first = subprocess.Popen(
+            worker_command(engine, kafka, run_id, dataset, REWARD, *common,
+                           "--rollout-batch-size", "1", "--over-sampling-batch-size",
+                           str(groups), "--num-steps", "2", "--max-staleness", "0"),
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_for_line(first, "step 1 waits for weight version 1")
+        pending = PartialStore(kafka, run_id)
+        try:
+            recycled = {g.group_index: g for g in pending.load()}
+        finally:
+            pending.close()
+        first.kill()
+        first.wait(timeout=30)
+        assert recycled, "the seal cancelled no group"
+        second = subprocess.run(
+            worker_command(engine, kafka, run_id, dataset, REWARD, *common,
+                           "--rollout-batch-size", str(groups), "--first-step", "1",
+                           "--weight-version", "1", "--mask-offpolicy-in-partial-rollout",
+                           "--seal-wait-s", "60"),
+            cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert f"{len(recycled)} recycled groups to continue" in second.stderr
+        assert "not sealed" not in second.stderr, second.stderr[-2000:]
+        processor.send_signal(signal.SIGTERM)
+        processor.wait(timeout=300)
+    finally:
+        for process in (first, processor):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert processor.returncode == 0, processor_log.read_text()[-2000:]
+
+    events = published(kafka, run_id)
+    cancelled = {(e.group_index, e.rollout_id): e for e in events
+                 if e.type == "sample_aborted"}
+    assert cancelled and all(e.reason == "cancelled" and e.recyclable
+                             for e in cancelled.values())
+    assert {g for g, _ in cancelled} == set(recycled)
+    partial_tokens = {key: e.response_tokens.tolist() for key, e in cancelled.items()
+                      if e.response_tokens is not None}
+    assert partial_tokens, "no request was cut off mid-generation"
+    continuing = [e for e in events if e.type == "group_started" and e.step == 1
+                  and "recycled_from" in e.metadata]
+    origin_of = {e.group_index: e.metadata["recycled_from"] for e in continuing}
+    assert sorted(origin_of.values()) == sorted(recycled)  # every group once: none lost
+    as_group = {origin: g for g, origin in origin_of.items()}
+
+    batch = rows(lake_root, "training_batches", run_id)
+    step_1 = {(r["group_index"], r["rollout_id"]): r for r in batch if r["step"] == 1}
+    assert len(step_1) == groups * 2 and len(batch) == groups * 2 + 2
+    for (origin, rollout), tokens in partial_tokens.items():
+        row = step_1[(as_group[origin], rollout)]
+        assert row["response_tokens"][:len(tokens)] == tokens  # continued from its tokens
+        assert len(row["response_tokens"]) == budget and row["status"] == "truncated"
+        assert row["loss_mask"] == [0] * len(tokens) + [1] * (budget - len(tokens))
+        assert row["weight_version"] == 0  # the oldest weights it was generated with
+    finished_before = {(e.group_index, e.rollout_id): e for e in events
+                       if e.type == "sample_finished" and e.group_index in recycled}
+    for (origin, rollout), event in finished_before.items():
+        row = step_1[(as_group[origin], rollout)]
+        assert row["response_tokens"] == event.response_tokens.tolist()  # not regenerated
+        assert row["loss_mask"] == [1] * len(event.response_tokens)  # finished on-policy
+    decided = by_group(lake_root, run_id)
+    assert {decided[g]["reason"] for g in recycled} == {"cancelled_at_seal"}
+    store = PartialStore(kafka, run_id)
+    try:
+        assert store.load() == []  # every continued group was written done
+    finally:
+        store.close()
