@@ -58,6 +58,7 @@ from ingest.workers.partial import (
 from ingest.workers.prompts import IssuedGroup, Prompt, PromptSource
 from ingest.workers.rewards import RewardSample, score, score_group
 from schemas.control import Demand, StepSealed, WeightsUpdated
+from schemas.errors import ConfigError
 from schemas.partial import PartialGroup, PartialSample
 
 log = logging.getLogger(__name__)
@@ -258,11 +259,17 @@ class RolloutWorker:
                 log.warning("could not abort requests on %s: %s", engine.url, result)
 
     async def run(self) -> Progress:
-        await self._check_engines()
-        self.progress = Progress()  # tokens/s counts from the first request
         if self.partial is not None:
             self._recycled = self.partial.load()
+            n = self.config.n_samples_per_prompt
+            for group in self._recycled:
+                if len(group.samples) != n:
+                    raise ConfigError(f"--n-samples-per-prompt {n}: recycled group "
+                                      f"{group.group_index} of run {self.config.run} has "
+                                      f"{len(group.samples)} samples")
             log.info("%d recycled groups to continue", len(self._recycled))
+        await self._check_engines()
+        self.progress = Progress()  # tokens/s counts from the first request
         # With --prompts-from, the run's `run_started` is the gateway's, with its dataset.
         if self.config.publish_run_started and self.config.prompts_from is None:
             self.publisher.run_started(self.config.run, self.config.run_config(),
