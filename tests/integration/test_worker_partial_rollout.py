@@ -1,6 +1,6 @@
 """The worker on a real vLLM engine with `--partial-rollout`: groups cancelled at a seal
-survive a kill -9 of the worker on the compacted partial topic and continue exactly once,
-from their tokens, in a worker started later."""
+survive kill -9 of the worker, between steps and while continuing them, on the compacted
+partial topic, and continue exactly once, from their tokens, in a worker started later."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.support.engine_server import (
     ROOT,
     published,
     running_engine,
+    wait_for_event,
     worker_command,
     write_dataset,
 )
@@ -63,9 +64,12 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
         engine, kafka, lake_root, tmp_path):
     """Step 0 issues 16 groups for a batch of 1 and is cancelled at its seal, mid-generation;
     the worker then waits for weights that never come (`--max-staleness 0`) with the
-    cancelled groups recycled, and is killed with SIGKILL. A new worker continues every
-    recycled group once in step 1, from its tokens to the 480-token budget, and with
-    `--mask-offpolicy-in-partial-rollout` the tokens of the older weights are masked."""
+    cancelled groups recycled, and is killed with SIGKILL. A second worker claims them for
+    step 1 and is killed too once it published a continued rollout; a third continues the
+    groups left claimed as the same groups with the same event ids. Every recycled group
+    is continued once, from its tokens to the 480-token budget, each rollout trained as
+    it first reached the processor, and with `--mask-offpolicy-in-partial-rollout` the
+    tokens of the older weights are masked."""
     run_id = "partial-kill9"
     budget, groups = 480, 16  # seconds of generation: the seal lands mid-step
     dataset = write_dataset(tmp_path / "prompts.jsonl",
@@ -74,13 +78,13 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
               str(budget), "--ignore-eos", "--max-in-flight", "8")
     processor_log = tmp_path / "processor.log"
     with processor_log.open("w") as log_file:
-        # No --until-idle: the worker restart takes a while on a loaded machine; it is
-        # stopped once the second worker has seen step 1 sealed.
+        # No --until-idle: worker restarts take a while on a loaded machine; it is
+        # stopped once the last worker has seen step 1 sealed.
         processor = subprocess.Popen(
             [*CLI, "process", "--lake", lake_root, "--bootstrap-servers",
              kafka.bootstrap_servers, "--topic-prefix", kafka.topic_prefix],
             cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True)
-    first = None
+    first = second = None
     try:
         # The seal must come while step 0 generates: start the worker only once the
         # processor follows the stream (started together, a slow processor start let
@@ -92,27 +96,34 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
                            str(groups), "--num-steps", "2", "--max-staleness", "0"),
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _wait_for_line(first, "step 1 waits for weight version 1")
-        pending = PartialStore(kafka, run_id)
-        try:
-            recycled = {g.group_index: g for g in pending.load()}
-        finally:
-            pending.close()
+        recycled = {g.group_index: g for g in _load(kafka, run_id)}
         first.kill()
         first.wait(timeout=30)
         assert recycled, "the seal cancelled no group"
-        second = subprocess.run(
-            worker_command(engine, kafka, run_id, dataset, REWARD, *common,
-                           "--rollout-batch-size", str(groups), "--first-step", "1",
-                           "--weight-version", "1", "--mask-offpolicy-in-partial-rollout",
-                           "--seal-wait-s", "60"),
-            cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert second.returncode == 0, second.stderr[-2000:]
-        assert f"{len(recycled)} recycled groups to continue" in second.stderr
-        assert "not sealed" not in second.stderr, second.stderr[-2000:]
+        continue_step_1 = worker_command(
+            engine, kafka, run_id, dataset, REWARD, *common, "--rollout-batch-size",
+            str(groups), "--first-step", "1", "--weight-version", "1",
+            "--mask-offpolicy-in-partial-rollout", "--seal-wait-s", "60")
+        # Killed again while continuing: once a continued rollout is published, the
+        # groups still generating stay claimed.
+        second = subprocess.Popen(continue_step_1, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        wait_for_event(kafka, run_id, "sample_finished", second,
+                       groups=range(groups, groups + len(recycled)))
+        second.kill()
+        second.wait(timeout=30)
+        claimed = _load(kafka, run_id)
+        assert claimed and all(g.state == "claimed" and g.as_step == 1 for g in claimed)
+        assert {g.group_index for g in claimed} <= set(recycled)
+        third = subprocess.run(continue_step_1, cwd=ROOT, capture_output=True, text=True,
+                               timeout=600)
+        assert third.returncode == 0, third.stderr[-2000:]
+        assert f"{len(claimed)} recycled groups to continue" in third.stderr
+        assert "not sealed" not in third.stderr, third.stderr[-2000:]
         processor.send_signal(signal.SIGTERM)
         processor.wait(timeout=300)
     finally:
-        for process in (first, processor):
+        for process in (first, second, processor):
             if process is not None and process.poll() is None:
                 process.kill()
     assert processor.returncode == 0, processor_log.read_text()[-2000:]
@@ -149,8 +160,23 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
         assert row["loss_mask"] == [1] * len(event.response_tokens)  # finished on-policy
     decided = by_group(lake_root, run_id)
     assert {decided[g]["reason"] for g in recycled} == {"cancelled_at_seal"}
+    # What reached the processor first of an event sent by both lives is what it kept.
+    first_copy, copies = {}, {}
+    for event in events:
+        first_copy.setdefault(event.event_id, event)
+        copies[event.event_id] = copies.get(event.event_id, 0) + 1
+    claimed_as = {g.as_group for g in claimed}
+    assert {e.group_index for e in continuing if copies[e.event_id] == 2} == claimed_as
+    for event_id, event in first_copy.items():
+        if event.type == "sample_finished" and event.group_index in origin_of:
+            row = step_1[(event.group_index, event.rollout_id)]
+            assert row["response_tokens"] == event.response_tokens.tolist(), event_id
+    assert _load(kafka, run_id) == []  # every continued group was written done
+
+
+def _load(kafka, run_id: str) -> list:
     store = PartialStore(kafka, run_id)
     try:
-        assert store.load() == []  # every continued group was written done
+        return store.load()
     finally:
         store.close()
