@@ -7,7 +7,8 @@ empty list or a 404 that says what is missing, never a 500.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import pyarrow.compute as pc
 from fastapi import APIRouter, Path, Query
@@ -29,6 +30,7 @@ from ingest.io.lineage import (
 )
 
 router = APIRouter(tags=["reads"])
+T = TypeVar("T")
 
 NonNegative = Annotated[int, Path(ge=0, le=INT64_MAX)]
 
@@ -108,14 +110,11 @@ async def get_metrics(run_id: RunIdPath, _: ReadRun, lake: LakeDep,
     return await run_in_threadpool(_metrics, lake, run_id, since_step)
 
 
-def _lineage(find, lake: Lake, as_of: str | None, *key: Any):
-    # LineageNotFound is a 404, a bad as-of a 422 (gateway.app maps domain errors)
+def _lineage(find: Callable[..., T], lake: Lake, as_of: str | None, *key: Any) -> T:
+    """`find` over the lake as of `as_of`, in the thread pool's thread (Delta reads block).
+    A missing run, group, row or step is a 404, a bad as-of a 422 (gateway.app maps the
+    domain errors)."""
     return find(parse_as_of(lake, as_of), *key)
-
-
-def _audit(lake: Lake, run_id: str, group_index: int, as_of: str | None) -> GroupLineage:
-    found = _lineage(group_lineage, lake, as_of, run_id, group_index)
-    return found
 
 
 @router.get("/v1/runs/{run_id}/groups/{group_index}", responses=errors(
@@ -125,12 +124,8 @@ async def get_group_audit(run_id: RunIdPath, group_index: NonNegative, _: ReadRu
     """Lineage of one group: its events with their Kafka positions, dead letters, decision
     and reason, samples, the training rows it fed, the steps that sealed them and the
     trainer steps that trained on them."""
-    return await run_in_threadpool(_audit, lake, run_id, group_index, as_of)
-
-
-def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -> RowLineage:
-    found = _lineage(row_lineage, lake, as_of, run_id, step, position)
-    return found
+    return await run_in_threadpool(_lineage, group_lineage, lake, as_of, run_id,
+                                   group_index)
 
 
 @router.get("/v1/runs/{run_id}/steps/{step}/rows/{position}", responses=errors(
@@ -138,12 +133,8 @@ def _row(lake: Lake, run_id: str, step: int, position: int, as_of: str | None) -
 async def get_row_audit(run_id: RunIdPath, step: NonNegative, position: NonNegative,
                         _: ReadRun, lake: LakeDep, as_of: AsOfQuery = None) -> RowLineage:
     """Lineage of one training_batches row: the row and the lineage of its group."""
-    return await run_in_threadpool(_row, lake, run_id, step, position, as_of)
-
-
-def _trainer_step(lake: Lake, run_id: str, step: int, as_of: str | None) -> TrainerStepLineage:
-    found = _lineage(trainer_step_lineage, lake, as_of, run_id, step)
-    return found
+    return await run_in_threadpool(_lineage, row_lineage, lake, as_of, run_id, step,
+                                   position)
 
 
 @router.get("/v1/runs/{run_id}/trainer-steps/{step}", responses=errors(
@@ -152,4 +143,5 @@ async def get_trainer_step_audit(run_id: RunIdPath, step: NonNegative, _: ReadRu
                                  lake: LakeDep, as_of: AsOfQuery = None) -> TrainerStepLineage:
     """Lineage of a trained step: the groups and events it consumed, at the batch version
     it trained on."""
-    return await run_in_threadpool(_trainer_step, lake, run_id, step, as_of)
+    return await run_in_threadpool(_lineage, trainer_step_lineage, lake, as_of, run_id,
+                                   step)

@@ -263,18 +263,20 @@ def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, what_if: Wha
     if args.json:
         sys.stdout.buffer.write(diff.to_json() + b"\n")
     else:
-        console.print(f"what-if: {what_if.describe()}")
-        print_diff(diff, console)
+        if what_if.overrides:
+            console.print(f"what-if: {what_if.describe()}")
+        changed = what_if.overrides or args.config_file is not None
+        print_diff(diff, console, what="what-if" if changed else "replay")
     where = f"into {out.root}" if kept else "(pass --into LAKE to keep the tables)"
     rate = replayed.events / replayed.seconds if replayed.seconds else 0.0
     console.print(f"re-derived {replayed.groups} groups from {replayed.events} events in "
                   f"{replayed.seconds:.1f} s ({rate:,.0f} events/s) {where}")
     if not args.check:
         return 0
-    differences = compare(source, out, args.run)
+    differences = diff.differences()
     if not differences:
         console.print(f"check: every step hash, decision and metric equals the original "
-                      f"({len(_by_key(out, 'steps', args.run))} steps)")
+                      f"({diff.steps_compared} steps)")
         return 0
     for what, keys in differences.items():
         more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
@@ -282,31 +284,3 @@ def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, what_if: Wha
         console.print(f"check: {what} differ from the original: {shown}")
     return 1
 
-
-# What --check compares: each table's key -> the columns that must be equal.
-_COMPARED = {
-    "steps": (("step",), ("content_sha256",)),
-    "groups": (("group_index",), ("decision", "reason", "batch_step", "step", "n_fragments",
-                                  "mean_reward", "ordered_at")),
-    "step_metrics": (("step", "key"), ("value",)),
-}
-
-
-def _by_key(lake: Lake, table: str, run_id: str) -> dict[tuple, tuple]:
-    key, values = _COMPARED[table]
-    rows = lake.read(table, filter=pc.field("run_id") == run_id,
-                     columns=[*key, *values]).to_pylist()
-    return {tuple(r[c] for c in key): tuple(r[c] for c in values) for r in rows}
-
-
-def compare(original: Lake, derived: Lake, run_id: str) -> dict[str, list]:
-    """Keys whose rows differ between the two lakes, per table: `steps` (the content
-    hash), `groups` (decision, reason, step, batch step, fragments, mean reward, order
-    time) and `step_metrics` (every value); empty when the replay equals the original."""
-    out = {}
-    for table in _COMPARED:
-        a, b = _by_key(original, table, run_id), _by_key(derived, table, run_id)
-        differing = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        if differing:
-            out[table] = [k[0] if len(k) == 1 else k for k in differing]
-    return out

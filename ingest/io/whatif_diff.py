@@ -1,8 +1,10 @@
-"""The diff of a what-if: a run in its original lake against the same run re-derived into
-another lake (`replay --into`), as data, a terminal table, JSON and a PNG of the curves.
+"""The diff of a replay or what-if: a run in its original lake against the same run
+re-derived into another lake (`replay --into`), as data, a terminal table, JSON and a PNG
+of the curves; `replay --check` is this diff being empty.
 
-Groups whose decision, reason or batch step changed (with why), steps whose content hash
-changed or that exist on one side only, and every step metric with its delta.
+Groups whose decision, reason, batch step or other decided columns changed (with why),
+steps whose content hash changed or that exist on one side only, and every step metric
+with its delta.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pyarrow.compute as pc
@@ -27,9 +30,15 @@ HEADLINE_METRICS = ("rollout/raw_reward", "rollout/raw_reward_unfiltered",
 
 @dataclass(frozen=True)
 class Decision:
+    """A group's row in `groups`: every column a re-derivation must reproduce."""
+
     decision: str
     reason: str | None
     batch_step: int | None
+    step: int | None
+    n_fragments: int
+    mean_reward: float | None
+    ordered_at: object  # timestamp
 
     def __str__(self) -> str:
         reason = f" ({self.reason})" if self.reason else ""
@@ -75,6 +84,16 @@ class WhatIfDiff:
     steps: list[StepChange]
     metrics: dict[int, dict[str, MetricDelta]]  # step -> key -> values; every step and key
 
+    def differences(self) -> dict[str, list]:
+        """What differs, per table (`groups`: group indices, `steps`: steps,
+        `step_metrics`: (step, key)); empty when the re-derivation equals the original."""
+        metrics = [(step, key) for step, keys in self.metrics.items()
+                   for key, m in keys.items() if m.original != m.what_if]
+        found: dict[str, list[Any]] = {"steps": [s.step for s in self.steps],
+                                       "groups": [g.group_index for g in self.groups],
+                                       "step_metrics": metrics}
+        return {table: keys for table, keys in found.items() if keys}
+
     def to_json(self) -> bytes:
         body = dataclasses.asdict(self)
         for step, keys in self.metrics.items():
@@ -97,12 +116,16 @@ def _why(before: Decision | None, after: Decision | None) -> str:
         return f"{before.decision} -> {after.decision}: room in step {after.batch_step}"
     if before.reason != after.reason:
         return f"same decision, reason {before.reason} -> {after.reason}"
-    return f"batched into step {after.batch_step} instead of {before.batch_step}"
+    if before.batch_step != after.batch_step:
+        return f"batched into step {after.batch_step} instead of {before.batch_step}"
+    changed = [f.name for f in dataclasses.fields(Decision)
+               if getattr(before, f.name) != getattr(after, f.name)]
+    return f"same decision, {', '.join(changed)} differ"
 
 
 def _decisions(lake: Lake, run_id: str) -> dict[int, Decision]:
-    rows = lake.read("groups", filter=pc.field("run_id") == run_id,
-                     columns=["group_index", "decision", "reason", "batch_step"]).to_pylist()
+    columns = ["group_index", *(f.name for f in dataclasses.fields(Decision))]
+    rows = lake.read("groups", filter=pc.field("run_id") == run_id, columns=columns).to_pylist()
     return {r.pop("group_index"): Decision(**r) for r in rows}
 
 
@@ -162,8 +185,10 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def print_diff(diff: WhatIfDiff, console: Console, *, max_groups: int = 50) -> None:
-    console.print(f"what-if of run {diff.run_id}: {len(diff.groups)} of "
+def print_diff(diff: WhatIfDiff, console: Console, *, what: str = "what-if",
+               max_groups: int = 50) -> None:
+    """`what` names the re-derivation in the first line: "what-if" or "replay"."""
+    console.print(f"{what} of run {diff.run_id}: {len(diff.groups)} of "
                   f"{diff.groups_compared} groups changed decision, {len(diff.steps)} of "
                   f"{diff.steps_compared} steps changed content")
     if diff.groups:

@@ -73,6 +73,7 @@ def test_replay_check_passes_on_a_four_partition_lake_and_fails_under_another_ba
     result = _replay(four_partition_lake)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "every step hash, decision and metric equals the original" in result.stdout
+    assert f"replay of run {SIM.run_id}:" in result.stdout
 
     other = _replay(four_partition_lake, "--config",
                     f"rollout_batch_size={SIM.rollout_batch_size + 1}")

@@ -16,6 +16,7 @@ from ingest.commands.loop import LoopConfig, _load_policy, worker_command
 from ingest.io.kafka import KafkaSettings
 
 KAFKA = KafkaSettings(bootstrap_servers="127.0.0.1:9092", topic_prefix="t.")
+GATEWAY = "http://127.0.0.1:8080"
 
 
 def flag(command: list[str], name: str) -> str | None:
@@ -24,7 +25,7 @@ def flag(command: list[str], name: str) -> str | None:
 
 def test_the_worker_runs_on_the_loops_sglang_engine_without_a_seed():
     command = worker_command(LoopConfig(engine="sglang", seed=7), KAFKA,
-                             "http://127.0.0.1:30000", Path("/p"), Path("/d.jsonl"))
+                             "http://127.0.0.1:30000", Path("/p"), GATEWAY, Path("/w.token"))
     assert flag(command, "--engine") == "sglang"
     assert flag(command, "--engine-url") == "http://127.0.0.1:30000"
     assert "--seed" not in command  # the worker refuses --seed with --engine sglang
@@ -32,7 +33,7 @@ def test_the_worker_runs_on_the_loops_sglang_engine_without_a_seed():
 
 def test_the_worker_runs_on_vllm_with_the_loops_seed_by_default():
     command = worker_command(LoopConfig(seed=7), KAFKA, "http://127.0.0.1:8000", Path("/p"),
-                             Path("/d.jsonl"))
+                             GATEWAY, Path("/w.token"))
     assert (flag(command, "--engine"), flag(command, "--seed")) == ("vllm", "7")
 
 
