@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -160,17 +161,20 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
         assert row["loss_mask"] == [1] * len(event.response_tokens)  # finished on-policy
     decided = by_group(lake_root, run_id)
     assert {decided[g]["reason"] for g in recycled} == {"cancelled_at_seal"}
-    # What reached the processor first of an event sent by both lives is what it kept.
-    first_copy, copies = {}, {}
+    # Both lives sent the claimed groups' events under the same ids, which the processor
+    # applies once: each continued rollout is trained as its first `sample_finished` on the
+    # broker (a later one is a duplicate, or refused: the third worker also sends fresh
+    # groups on the indexes of groups the second one finished).
+    copies = Counter(e.event_id for e in events)
+    assert {e.group_index for e in continuing if copies[e.event_id] == 2} == {
+        g.as_group for g in claimed}
+    first_finished = {}
     for event in events:
-        first_copy.setdefault(event.event_id, event)
-        copies[event.event_id] = copies.get(event.event_id, 0) + 1
-    claimed_as = {g.as_group for g in claimed}
-    assert {e.group_index for e in continuing if copies[e.event_id] == 2} == claimed_as
-    for event_id, event in first_copy.items():
         if event.type == "sample_finished" and event.group_index in origin_of:
-            row = step_1[(event.group_index, event.rollout_id)]
-            assert row["response_tokens"] == event.response_tokens.tolist(), event_id
+            first_finished.setdefault((event.group_index, event.rollout_id), event)
+    assert first_finished.keys() == {key for key in step_1 if key[0] in origin_of}
+    for key, event in first_finished.items():
+        assert step_1[key]["response_tokens"] == event.response_tokens.tolist(), key
     assert _load(kafka, run_id) == []  # every continued group was written done
 
 
