@@ -37,7 +37,8 @@ def engine(tmp_path_factory):
         yield running
 
 
-def _wait_for_line(process: subprocess.Popen[str], text: str, timeout_s: float = 300) -> None:
+def _wait_for_line(process: subprocess.Popen[str], text: str, timeout_s: float = 300) -> str:
+    """The worker's log up to the first line holding `text`."""
     deadline = time.monotonic() + timeout_s
     seen = []
     while time.monotonic() < deadline:
@@ -46,7 +47,7 @@ def _wait_for_line(process: subprocess.Popen[str], text: str, timeout_s: float =
             break
         seen.append(line)
         if text in line:
-            return
+            return "".join(seen)
     pytest.fail(f"no {text!r} from the worker: {''.join(seen)[-2000:]}")
 
 
@@ -63,7 +64,7 @@ def _wait_until_following(processor: subprocess.Popen[str], log: Path,
 
 def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens(
         engine, kafka, lake_root, tmp_path):
-    """Step 0 issues 16 groups for a batch of 1 and is cancelled at its seal, mid-generation;
+    """Step 0 issues 48 groups for a batch of 1 and is cancelled at its seal, mid-generation;
     the worker then waits for weights that never come (`--max-staleness 0`) with the
     cancelled groups recycled, and is killed with SIGKILL. A second worker claims them for
     step 1 and is killed too once it published a continued rollout; a third continues the
@@ -72,11 +73,15 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
     it first reached the processor, and with `--mask-offpolicy-in-partial-rollout` the
     tokens of the older weights are masked."""
     run_id = "partial-kill9"
-    budget, groups = 480, 16  # seconds of generation: the seal lands mid-step
+    # Every request runs its 480 tokens (`--ignore-eos`), 4 at a time: step 0 is 24 waves
+    # of requests, its first group ends with the first wave, and its seal (decision,
+    # Delta commits, control message) was seen 1 to 5 waves later. With 16 groups 8 at
+    # a time the step was 4 waves, and often over before its seal.
+    budget, groups = 480, 48
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
     common = ("--partial-rollout", "--n-samples-per-prompt", "2", "--max-new-tokens",
-              str(budget), "--ignore-eos", "--max-in-flight", "8")
+              str(budget), "--ignore-eos")
     processor_log = tmp_path / "processor.log"
     with processor_log.open("w") as log_file:
         # No --until-idle: worker restarts take a while on a loaded machine; it is
@@ -93,17 +98,19 @@ def test_partial_rollouts_survive_kill_9_and_each_continues_once_from_its_tokens
         _wait_until_following(processor, processor_log)
         first = subprocess.Popen(
             worker_command(engine, kafka, run_id, dataset, REWARD, *common,
-                           "--rollout-batch-size", "1", "--over-sampling-batch-size",
-                           str(groups), "--num-steps", "2", "--max-staleness", "0"),
+                           "--max-in-flight", "4", "--rollout-batch-size", "1",
+                           "--over-sampling-batch-size", str(groups), "--num-steps", "2",
+                           "--max-staleness", "0"),
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _wait_for_line(first, "step 1 waits for weight version 1")
+        first_log = _wait_for_line(first, "step 1 waits for weight version 1")
         recycled = {g.group_index: g for g in _load(kafka, run_id)}
         first.kill()
         first.wait(timeout=30)
-        assert recycled, "the seal cancelled no group"
+        print(*(line for line in first_log.splitlines() if "step 0" in line), sep="\n")
+        assert recycled, f"the seal cancelled no group: {first_log[-3000:]}"
         continue_step_1 = worker_command(
-            engine, kafka, run_id, dataset, REWARD, *common, "--rollout-batch-size",
-            str(groups), "--first-step", "1", "--weight-version", "1",
+            engine, kafka, run_id, dataset, REWARD, *common, "--max-in-flight", "8",
+            "--rollout-batch-size", str(groups), "--first-step", "1", "--weight-version", "1",
             "--mask-offpolicy-in-partial-rollout", "--seal-wait-s", "60")
         # Killed again while continuing: once a continued rollout is published, the
         # groups still generating stay claimed.
