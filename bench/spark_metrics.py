@@ -43,9 +43,8 @@ from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from ingest.core.reasons import CANCELLED_AT_SEAL, GROUP_TIMEOUT  # noqa: E402
+from ingest.io.spark import spark_session  # noqa: E402
 
-DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
-DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 NOT_OFFERED = GROUP_TIMEOUT  # decided by the timeout, never offered to the filter chain
 
 # Keys the job computes exactly; step_metrics keys outside these are the processor's alone
@@ -63,36 +62,6 @@ COVERED_KEYS = frozenset(
 COVERED_PREFIXES = ("rollout/dynamic_filter/drop_", "rollout/zero_std/count_")
 
 StepMetrics = dict[int, dict[str, float]]
-
-
-def spark_session(master: str = "local[2]", driver_memory: str = "1g",
-                  shuffle_partitions: int = 2) -> SparkSession:
-    """A local Spark session that reads Delta; the Delta jars come through Spark's package
-    resolution (Maven Central, cached in Ivy's default folder)."""
-    from delta import configure_spark_with_delta_pip
-
-    builder = (
-        SparkSession.builder.master(master)
-        .appName("rolloutlake-spark")
-        .config("spark.sql.extensions", DELTA_EXTENSION)
-        .config("spark.sql.catalog.spark_catalog", DELTA_CATALOG)
-        .config("spark.driver.memory", driver_memory)
-        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-        # Delta replays its log into 50 partitions by default: pure overhead on one machine.
-        .config("spark.databricks.delta.snapshotPartitions", str(shuffle_partitions))
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        # A busy machine (CI, shared cores) delays heartbeats past the 10 s default; the
-        # driver then drops its own executor and the session logs errors it cannot act on.
-        .config("spark.executor.heartbeatInterval", "60s")
-        .config("spark.network.timeout", "600s")
-    )
-    spark = configure_spark_with_delta_pip(builder).getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def read_delta(spark: SparkSession, lake: str, table: str, run_id: str) -> DataFrame:

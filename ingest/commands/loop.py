@@ -40,7 +40,7 @@ import httpx
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.config import hash_token
+from gateway.config import TOKENS_ENV, hash_token
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
@@ -280,6 +280,8 @@ class _Child:
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
+        # The loop's gateway accepts only the tokens the loop made, not a user's from the env.
+        env.pop(TOKENS_ENV, None)
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task
 from rich.text import Text
 
-from ingest.core.assembly import fold_partition
+from ingest.core.assembly import FoldedGroup, fold_partition
 from ingest.core.batching import Effects, RunBatcher
 from ingest.core.decide import decide
 from ingest.core.decided import DecidedGroup, Opened
@@ -74,32 +74,54 @@ def archived_items(lake: Lake, run_id: str, config: RunConfig,
     rows = read_archive(lake, (pc.field("run_id") == run_id) & (pc.field("type") != "run_started"))
     if not rows:
         raise RolloutlakeError(f"run {run_id} has no events in {lake.root}/events")
-    timeout_us = micros(config.group_timeout_s)
     items: list[Opened | DecidedGroup] = []
     done = 0
     for (_topic, partition), grouped in itertools.groupby(rows, lambda r: (r.topic, r.partition)):
         archived = list(grouped)
         events_of = Counter(r.group_index for r in archived)
         for folded in fold_partition(archived, lambda _run, _group: False).values():
-            group = folded.builder.group
-            done += events_of.pop(group.group_index, 0)
+            done += events_of.pop(folded.builder.group.group_index, 0)
             progress(done, len(rows))
-            if folded.started is None:
-                continue
-            started_us, started_offset, step = folded.started
-            items.append(Opened(run_id, group.group_index, step, started_us, partition,
-                                started_offset))
-            if folded.completed is not None:
-                at_us, offset = folded.completed
-            else:
-                at_us, offset = folded.first_us + timeout_us, -1
-            decided = decide(group, config, at_us=at_us,
-                             source={"partition": partition, "offset": offset},
-                             decided_at=at_us / 1e6, timed_out=folded.completed is None)
-            items.append(decided.group)
+            items.extend(group_items(folded, partition, config))
         done += sum(events_of.values())  # events of no group the fold kept
         progress(done, len(rows))
     return items
+
+
+def group_items(folded: FoldedGroup, partition: int, config: RunConfig,
+                ) -> list[Opened | DecidedGroup]:
+    """What the group stage published for one group folded from events partition
+    `partition`: its opened notice and its decision under `config`; nothing for a group
+    never started (the processor dead-letters it)."""
+    if folded.started is None:
+        return []
+    group = folded.builder.group
+    started_us, started_offset, step = folded.started
+    opened = Opened(group.run_id, group.group_index, step, started_us, partition,
+                    started_offset)
+    if folded.completed is not None:
+        at_us, offset = folded.completed
+    else:
+        at_us, offset = folded.first_us + micros(config.group_timeout_s), -1
+    decided = decide(group, config, at_us=at_us, source={"partition": partition, "offset": offset},
+                     decided_at=at_us / 1e6, timed_out=folded.completed is None)
+    return [opened, decided.group]
+
+
+def batch_items(run_id: str, config: RunConfig, items: Iterable[Opened | DecidedGroup],
+                applied: Callable[[], object] = lambda: None) -> list[Effects]:
+    """Every item of the run applied to one `RunBatcher` in `OrderKey` order, as the batch
+    stage's `DecisionMerge` releases them, then the flush; `applied()` after each item."""
+    batcher = RunBatcher(run_id, config)
+    merge = DecisionMerge(partitions=0)
+    for item in items:
+        merge.add(item.order_key(), item)
+    effects = []
+    for _key, item in merge.drain():
+        effects.append(batcher.apply(item))
+        applied()
+    effects.append(batcher.flush())
+    return effects
 
 
 @dataclass(frozen=True)
@@ -126,8 +148,6 @@ def replay_run(lake: Lake, run_id: str, config: RunConfig) -> Replayed:
     `OrderKey` order as the batch stage applies them; a progress bar on stderr while it
     runs."""
     started = time.monotonic()
-    batcher = RunBatcher(run_id, config)
-    merge = DecisionMerge(partitions=0)
     console = Console(stderr=True)
     # Not on a terminal (a pipe, a log file) no bar is drawn at all.
     with Progress(*Progress.get_default_columns(), _Rate(), console=console,
@@ -141,35 +161,51 @@ def replay_run(lake: Lake, run_id: str, config: RunConfig) -> Replayed:
             events = total
             progress.update(deciding, completed=done, total=total)
         items = archived_items(lake, run_id, config, decided)
-        for item in items:
-            merge.add(item.order_key(), item)
         batching = progress.add_task(f"replaying {run_id}: batching", total=len(items),
                                      unit="decisions")
-        effects = []
-        for _key, item in merge.drain():
-            effects.append(batcher.apply(item))
-            progress.advance(batching)
-    effects.append(batcher.flush())
+        effects = batch_items(run_id, config, items, lambda: progress.advance(batching))
     return Replayed(effects, events, time.monotonic() - started)
 
 
-def write_effects(out: Lake, run_id: str, effects: list[Effects]) -> None:
+def derived_tables(run_id: str, effects: list[Effects]) -> dict[str, pa.Table]:
+    """The run's re-derived rows by table (tables without rows left out). Their
+    `steps.batch_version` is -1: the `training_batches` version is known once written."""
     merged = Effects()
     for e in effects:
         merged.extend(e)
+    tables = {}
     if merged.groups:
-        out.append("groups", groups_table(merged.groups))
+        tables["groups"] = groups_table(merged.groups)
     if merged.samples:
-        out.append("samples", pa.concat_tables(merged.samples))
+        tables["samples"] = pa.concat_tables(merged.samples)
     if merged.sealed:
-        version = out.append("training_batches", pa.concat_tables([s.rows for s in merged.sealed]))
-        # Without marks, append skips only an empty table, and a sealed step has rows.
-        assert version is not None
-        out.append("steps", pa.Table.from_pylist(
-            [steps_row(run_id, s, version) for s in merged.sealed], schema=STEPS.schema))
+        tables["training_batches"] = pa.concat_tables([s.rows for s in merged.sealed])
+        tables["steps"] = pa.Table.from_pylist(
+            [steps_row(run_id, s, UNWRITTEN_VERSION) for s in merged.sealed], schema=STEPS.schema)
     metrics = [row for step, m in merged.closed for row in metric_rows(run_id, step, m)]
     if metrics:
-        out.append("step_metrics", pa.Table.from_pylist(metrics, schema=STEP_METRICS.schema))
+        tables["step_metrics"] = pa.Table.from_pylist(metrics, schema=STEP_METRICS.schema)
+    return tables
+
+
+UNWRITTEN_VERSION = -1  # `steps.batch_version` until `training_batches` is written
+
+
+def write_effects(out: Lake, run_id: str, effects: list[Effects]) -> None:
+    tables = derived_tables(run_id, effects)
+    steps = tables.pop("steps", None)
+    for name, rows in tables.items():
+        version = out.append(name, rows)
+        if name == "training_batches" and steps is not None:
+            # Without marks, append skips only an empty table, and a sealed step has rows.
+            assert version is not None
+            out.append("steps", with_batch_version(steps, version))
+
+
+def with_batch_version(steps: pa.Table, version: int) -> pa.Table:
+    column = steps.schema.get_field_index("batch_version")
+    return steps.set_column(column, steps.schema.field(column),
+                            pa.array([version] * steps.num_rows, pa.int64()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the diff against the original as JSON (the rest to stderr)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png",
                         help="write the metric curves, original vs what-if, to a PNG")
+    parser.add_argument("--engine", choices=("local", "spark"), default="local",
+                        help="local: replay in this process; spark: with Spark over the "
+                             "lake (groups decided in parallel, runs batched apart), "
+                             "written with delta-spark (docs/spark.md)")
+    parser.add_argument("--spark-master", default="local[*]", metavar="URL",
+                        help="Spark master of --engine spark (default local[*])")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every re-derived step hash, group decision and "
                              "step metric equals the original")
@@ -249,8 +291,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, what_if: WhatIf,
                  config: RunConfig, *, kept: bool) -> int:
-    replayed = replay_run(source, args.run, config)
-    write_effects(out, args.run, replayed.effects)
+    if args.engine == "spark":
+        from ingest.commands.spark_replay import spark_replay
+
+        done = spark_replay(source, out, args.run, config, master=args.spark_master)
+        groups, events, seconds = done.groups, done.events, done.seconds
+    else:
+        replayed = replay_run(source, args.run, config)
+        write_effects(out, args.run, replayed.effects)
+        groups, events, seconds = replayed.groups, replayed.events, replayed.seconds
     diff = compare_lakes(source, out, args.run)
     # stdout holds only the JSON then; lines are not wrapped, so a pipe or log gets them whole
     console = Console(stderr=args.json, soft_wrap=True)
@@ -268,9 +317,10 @@ def _replay_into(source: Lake, out: Lake, args: argparse.Namespace, what_if: Wha
         changed = what_if.overrides or args.config_file is not None
         print_diff(diff, console, what="what-if" if changed else "replay")
     where = f"into {out.root}" if kept else "(pass --into LAKE to keep the tables)"
-    rate = replayed.events / replayed.seconds if replayed.seconds else 0.0
-    console.print(f"re-derived {replayed.groups} groups from {replayed.events} events in "
-                  f"{replayed.seconds:.1f} s ({rate:,.0f} events/s) {where}")
+    rate = events / seconds if seconds else 0.0
+    engine = "; Spark, its session start aside" if args.engine == "spark" else ""
+    console.print(f"re-derived {groups} groups from {events} events in {seconds:.1f} s "
+                  f"({rate:,.0f} events/s{engine}) {where}")
     if not args.check:
         return 0
     differences = diff.differences()

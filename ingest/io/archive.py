@@ -4,7 +4,8 @@
 time the group stage gave each (`events.event_time`; `ingested_at` for rows archived
 before event times were stored). The group stage rebuilds its partitions' undecided
 groups from it, the batch stage re-assembles decisions too large to travel, and
-`rolloutlake replay` re-derives whole runs.
+`rolloutlake replay` re-derives whole runs (`archived_events` turns the rows Spark reads
+into the same events).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import orjson
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from ingest.core.assembly import GroupBuilder
@@ -20,7 +22,8 @@ from ingest.core.ordering import micros
 from ingest.io.lake import Lake
 from schemas.events import TrajectoryEvent, parse_trajectory_event
 
-_COLUMNS = ["run_id", "group_index", "event_id", "type", "topic", "partition", "offset",
+# The columns an archived event is rebuilt from (`archived_events`).
+ARCHIVE_COLUMNS = ["run_id", "group_index", "event_id", "type", "topic", "partition", "offset",
             "ingested_at", "event_time", "payload"]
 
 
@@ -45,13 +48,19 @@ class ArchivedEvent:
 
 def read_archive(lake: Lake, where: pc.Expression) -> list[ArchivedEvent]:
     """The archived events matching `where`, in (topic, partition, offset) order."""
-    table = lake.read("events", filter=where, columns=_COLUMNS).sort_by(
+    return archived_events(lake.read("events", filter=where, columns=ARCHIVE_COLUMNS))
+
+
+def archived_events(table: pa.Table) -> list[ArchivedEvent]:
+    """`events` rows with the `ARCHIVE_COLUMNS`, in (topic, partition, offset) order: what
+    `read_archive` reads, and what the Spark replay gets per group."""
+    table = table.sort_by(
         [("topic", "ascending"), ("partition", "ascending"), ("offset", "ascending")])
     return [
         ArchivedEvent(run_id, group_index, event_id, type_, topic, partition, offset,
                       micros((event_time or ingested_at).timestamp()), payload)
         for run_id, group_index, event_id, type_, topic, partition, offset, ingested_at,
-        event_time, payload in zip(*(table.column(c).to_pylist() for c in _COLUMNS),
+        event_time, payload in zip(*(table.column(c).to_pylist() for c in ARCHIVE_COLUMNS),
                                    strict=True)
     ]
 

@@ -67,7 +67,7 @@ class BatchState:
 
     batchers: dict[str, RunBatcher]  # the runs of the partition
     merge: DecisionMerge  # the partition's held items and watermarks
-    awaiting_config: dict[str, list[Opened]]  # opened groups of runs without run_started yet
+    awaiting_config: dict[str, dict[int, Opened]]  # run -> group -> opened, no run_started yet
 
 
 @dataclass(frozen=True)

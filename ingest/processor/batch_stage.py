@@ -83,9 +83,11 @@ class BatchStage(Stage):
         self.batchers: dict[str, RunBatcher] = {}
         self.run_partition: dict[str, int] = {}
         # Opened groups of runs whose run_started is not read yet (a worker may start
-        # groups before the run's config reaches the processor): applied, in order, when
-        # the run's batcher is created, so the step counts every group issued for it.
-        self.awaiting_config: dict[str, list[Opened]] = {}
+        # groups before the run's config reaches the processor), by group index (a
+        # restarted group stage sends its notices again; the first one stands): applied, in
+        # order, when the run's batcher is created, so the step counts every group issued
+        # for it.
+        self.awaiting_config: dict[str, dict[int, Opened]] = {}
         self.recorded: dict[tuple[str, int], int | None] = {}
         self.closed_steps: set[tuple[str, int]] = set()
         self.replaying: dict[int, int] = {}  # partition -> end offset of the replay
@@ -183,7 +185,7 @@ class BatchStage(Stage):
         if batcher is None:
             batcher = self.batchers[run_id] = RunBatcher(run_id, config)
             self.run_partition[run_id] = partition
-            for opened in self.awaiting_config.pop(run_id, []):
+            for opened in self.awaiting_config.pop(run_id, {}).values():
                 batcher.apply(opened)
         batcher.config = config  # a later run_started applies from here on
         return batcher
@@ -225,7 +227,8 @@ class BatchStage(Stage):
                 if batcher is not None:
                     batcher.apply(item)
                 else:
-                    self.awaiting_config.setdefault(item.run_id, []).append(item)
+                    self.awaiting_config.setdefault(item.run_id, {}).setdefault(
+                        item.group_index, item)
                     self.run_partition[item.run_id] = record.partition
             else:
                 self._decide(item, value, offset, record, pending)

@@ -29,15 +29,16 @@ WATERMARK = "watermark"  # {partition, at_us}: events partition `partition` reac
 
 
 def encode_decision(decided: DecidedGroup) -> tuple[list[tuple[str, bytes]], bytes]:
-    value = _ipc(decided.fragments)
+    value = fragments_ipc(decided.fragments)
     header = decided.header
     if len(value) > INLINE_LIMIT_BYTES:
         header = replace(header, fragments_in_archive=True)
-        value = _ipc(FRAGMENTS.empty_table())
+        value = fragments_ipc(FRAGMENTS.empty_table())
     return [(HEADER, header.to_json())], value
 
 
-def _ipc(table: pa.Table) -> bytes:
+def fragments_ipc(table: pa.Table) -> bytes:
+    """A group's FRAGMENTS rows as one Arrow IPC stream (`decode_fragments` reads it)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, FRAGMENTS) as writer:
         writer.write_table(table)

@@ -1,5 +1,6 @@
 """delta-spark reads the lake the processor writes: every table, time travel to a step's
-`batch_version`, and the Spark metrics job (`bench/spark_metrics.py`) against step_metrics.
+`batch_version`, the Spark metrics job (`bench/spark_metrics.py`) against step_metrics,
+and `replay --engine spark` (as run and under a what-if) against `replay --into`.
 
 Real parts: the Tansu broker, the processor, Delta on disk, a local Spark session with the
 Delta jars resolved from Maven Central (Java 17 needed; a missing one fails, never skips).
@@ -7,6 +8,7 @@ Delta jars resolved from Maven Central (Java 17 needed; a missing one fails, nev
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -26,16 +28,20 @@ from bench.spark_metrics import (
     read_delta,
     recorded_step_metrics,
     replay_seconds,
-    spark_session,
     spark_step_metrics,
 )
+from ingest.commands.replay import archived_config
 from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.commands.spark_replay import replay_with
+from ingest.core.whatif import parse_what_if
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.io.spark import spark_session
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
 from tests.integration.pipeline import run_processor
+from tests.integration.test_cli import cli, one_line_error
 from tests.support.metric_fixtures import contract_table
 
 pytestmark = pytest.mark.one_broker("Spark reads the Delta tables; the broker only makes them")
@@ -246,3 +252,84 @@ def test_a_failing_replay_is_one_line(tmp_path):
     with pytest.raises(BenchError) as failed:
         replay_seconds(str(tmp_path), "r1")
     assert str(failed.value) == f"rolloutlake replay exited 2: rolloutlake replay: no events table under {tmp_path}"
+
+
+# ---------------------------------------------------------------- replay --engine spark
+
+# A what-if that changes decisions (the DAPO filter off) and steps (smaller batches).
+WHAT_IF = ("filter=none", "rollout_batch_size=3")
+DERIVED_TABLES = ("groups", "samples", "training_batches", "steps", "step_metrics")
+
+
+def rows_by_key(lake: Lake, table: str, run_id: str) -> list[dict]:
+    return sorted_rows(lake.read(table, filter=pc.field("run_id") == run_id), TABLES[table].key)
+
+
+def replay_into(lake: Lake, into, config: tuple[str, ...]) -> Lake:
+    done = cli("replay", "--lake", lake.root, "--run", "spark-a", "--into", str(into),
+               *(("--config", *config) if config else ()))
+    assert done.returncode == 0, done.stderr
+    return Lake(str(into))
+
+
+@pytest.mark.parametrize("config", [(), WHAT_IF], ids=["as-run", "what-if"])
+def test_spark_replay_equals_replay_into(lake, spark, tmp_path, config):
+    local = replay_into(lake, tmp_path / "local", config)
+    spark_lake = Lake(tmp_path / "spark")
+    # The command's own parsing and config, then the job on this module's session.
+    run_config = parse_what_if(config).apply(archived_config(lake, "spark-a"))
+    start = time.perf_counter()
+    done = replay_with(spark, lake, spark_lake, "spark-a", run_config)
+    print(f"spark replay of spark-a {config}: {time.perf_counter() - start:.1f} s")
+    groups = rows_by_key(local, "groups", "spark-a")
+    assert done.groups == len(groups)
+    assert done.events == lake.read("events", filter=(pc.field("run_id") == "spark-a")
+                                    & (pc.field("type") != "run_started")).num_rows
+    # Surplus and filter drops on both sides of the comparison.
+    assert {"kept", "dropped", "surplus"} <= {g["decision"] for g in groups}
+    # Every row of every derived table: step hashes, decisions (reason, batch step) and
+    # metric values among them.
+    for table in DERIVED_TABLES:
+        ours, theirs = rows_by_key(spark_lake, table, "spark-a"), rows_by_key(local, table, "spark-a")
+        assert len(ours) == len(theirs) > 0, table
+        for spark_row, local_row in zip(ours, theirs, strict=True):
+            assert spark_row == local_row, table
+    # delta-spark wrote the contract schema.
+    for table in DERIVED_TABLES:
+        assert spark_lake.read(table).schema == TABLES[table].schema, table
+    hashes = {s["step"]: s["content_sha256"] for s in rows_by_key(spark_lake, "steps", "spark-a")}
+    original = {s["step"]: s["content_sha256"] for s in rows_by_key(lake, "steps", "spark-a")}
+    if config:
+        # The keys took effect: steps and decisions differ from the original's.
+        assert hashes != original
+        assert not any((g["reason"] or "").startswith("zero_std") for g in groups)
+    else:
+        assert hashes == original
+
+
+def test_replay_engine_spark_checks_against_the_original(lake, tmp_path):
+    into = tmp_path / "spark"
+    done = cli("replay", "--lake", lake.root, "--run", "spark-b", "--into", str(into),
+               "--engine", "spark", "--spark-master", "local[2]", "--check", timeout=600)
+    assert done.returncode == 0, done.stderr
+    steps = len(rows_by_key(lake, "steps", "spark-b"))
+    assert f"every step hash, decision and metric equals the original ({steps} steps)" in done.stdout
+    groups = len(rows_by_key(lake, "groups", "spark-b"))
+    assert re.search(rf"re-derived {groups} groups from \d+ events in [0-9.]+ s \([0-9,]+ "
+                     r"events/s; Spark, its session start aside\) into ", done.stdout), done.stdout
+
+
+def test_replay_engine_spark_refuses_bad_input_before_spark_starts(lake, tmp_path):
+    def error(*args: str) -> str:
+        return one_line_error(cli("replay", "--lake", lake.root, "--engine", "spark", *args))
+
+    assert error("--run", "spark-a", "--config", "nope=1") == (
+        "rolloutlake replay: --config 'nope=1': unknown key 'nope' (keys: filter, "
+        "rollout_batch_size, over_sampling_batch_size, advantage_estimator, "
+        "std_normalization, reward_key, max_staleness, arg.NAME for a user filter's argument)")
+    assert error("--run", "nope", "--into", str(tmp_path / "x")) == (
+        "rolloutlake replay: run nope has no archived run_started; pass --config-file FILE")
+    assert error("--run", "spark-a", "--into", lake.root) == (
+        f"rolloutlake replay: --into {lake.root} is the original lake; a replay never "
+        "writes into it, pass another folder")
+    assert not (tmp_path / "x").exists()

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "gateway": {"schemas", "ingest.core", "ingest.io", "ingest.sdk"},
     "ingest.workers": {"schemas", "ingest.core", "ingest.io", "ingest.sdk", "trainer"},
     "ingest.commands": {"schemas", "ingest.core", "ingest.io", "ingest.sdk", "ingest.processor",
-                        "ingest.workers", "trainer"},
+                        "ingest.workers", "trainer", "gateway"},
     "ingest.cli": {"schemas"},  # it loads the command modules by name
 }
 # The core imports no client of Kafka, Delta or HTTP.

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import stat
+import sys
 
 from gateway.auth import TokenStore
-from gateway.config import load_config
+from gateway.config import TOKENS_ENV, load_config
 from ingest.commands.loop import (
     GATEWAY_TOKENS,
     RUN_ID,
     LoopConfig,
+    _Child,
     run_config,
     worker_command,
     write_gateway_tokens,
@@ -59,3 +61,14 @@ def test_gateway_tokens_are_owner_only_files_and_the_gateway_gets_their_hashes(t
     write_gateway_tokens(tmp_path)
     assert all((tmp_path / f"{h}.token").read_text().strip() != tokens[h]
                for h in GATEWAY_TOKENS)
+
+
+def test_the_loops_commands_do_not_inherit_gateway_tokens_from_the_environment(tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.setenv(TOKENS_ENV, '[{"name": "outsider", "sha256": "00", "scopes": ["write"]}]')
+    child = _Child("env", [sys.executable, "-c",
+                           f"import os; print(os.environ.get({TOKENS_ENV!r}, 'unset'))"],
+                   tmp_path / "env.log")
+    child.process.wait(timeout=30)
+    child.stop()
+    assert (tmp_path / "env.log").read_text().strip() == "unset"
