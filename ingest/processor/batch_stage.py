@@ -149,8 +149,10 @@ class BatchStage(Stage):
             start = snapshot.offset + 1
         self.consumer.seek(tp, start)
         self.resumed_from[tp.partition] = start
-        log.info("%s[%d]: resuming at offset %d (%s)", tp.topic, tp.partition, start,
-                 "after its snapshot" if snapshot else "no snapshot: replaying")
+        log.info("%s[%d]: resuming at offset %d (%s; tables recorded %s)", tp.topic,
+                 tp.partition, start,
+                 "after its snapshot" if snapshot else "no snapshot: replaying",
+                 {t: self._recorded(t, tp.partition) for t in TABLE_ORDER})
         return start
 
     def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
@@ -218,6 +220,10 @@ class BatchStage(Stage):
             applied = self.batchers.get(key.run_id)
             if applied is not None and key.group_index in (
                     applied.opened if key.kind == OPENED else applied.decided):
+                if key.kind != OPENED:  # rare (restarts only); says which copy stood
+                    log.info("%s[%d]@%d: decision of group %d of run %s sent again; the one "
+                             "applied before stands", record.topic, record.partition,
+                             record.offset, key.group_index, key.run_id)
                 return  # sent again after a group-stage restart; the first one stands
             merge.add(key, (record.offset, item, record.value))
         for _key, (offset, item, value) in merge.ready():
@@ -277,6 +283,11 @@ class BatchStage(Stage):
         # Snapshot first: a restart resumes with the steps open, as an uninterrupted run
         # has them.
         self._snapshot(list(self.last_records))
+        held = sum(len(merge) for merge in self.merges.values())
+        if held:
+            log.warning("stopping with %d decisions and notices held: the events partitions' "
+                        "watermarks have not passed them (their group stage stopped first?); "
+                        "the next run applies them", held)
         pending = _Pending()
         for run_id, batcher in self.batchers.items():
             self._collect(run_id, self.run_partition[run_id], -1, batcher.flush(), pending)

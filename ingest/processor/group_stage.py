@@ -217,7 +217,10 @@ class GroupStage(Stage):
         for key in sorted(complete, key=complete.__getitem__):
             self._try_decide(key, batch)
         self._expire(partition, batch)  # timed out before the restart, not yet published
-        log.info("partition %d: rebuilt %d undecided groups", partition, len(folded))
+        again = sorted(d.header.group_index for d in batch.decisions
+                       if isinstance(d, DecidedGroup))
+        log.info("partition %d: rebuilt %d undecided groups; decided %d of them again %s",
+                 partition, len(folded), len(again), again[:50])
         self._publish(batch.decisions)
         self.dead_letters.commit([])
 

@@ -62,6 +62,7 @@ class Stage(ConsumerRebalanceListener):
         self.newly_assigned: set[TopicPartition] = set()
         # An assignment may be empty (more members than partitions): it still ends the join.
         self.rebalanced = False
+        self.owned: set[int] = set()  # partitions taken over and not revoked since
         self.consumed: dict[int, int] = {}  # partition -> last offset committed, for the lag
         self.last_records: dict[int, Any] = {}  # partition -> the last record handled
         # Set while a poll's records are handled and committed, which can take longer than
@@ -90,6 +91,7 @@ class Stage(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self.newly_assigned -= set(revoked)
+        self.owned -= {tp.partition for tp in revoked}
         for tp in revoked:
             self.last_records.pop(tp.partition, None)
         self._release({tp.partition for tp in revoked})
@@ -113,6 +115,7 @@ class Stage(ConsumerRebalanceListener):
             if assigned:
                 self._take_over(assigned)
                 self.topic_id = topic_id(self.consumer, self.topic)
+                self.owned |= {tp.partition for tp in assigned}
             self.joined = True
             self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()
@@ -225,7 +228,15 @@ class Stage(ConsumerRebalanceListener):
 
     @property
     def idle(self) -> bool:
-        return self.joined and not self.working and not self.dead_letters.rows
+        """Nothing to do as far as this stage can tell: joined, every partition the
+        consumer is assigned taken over, no poll in progress. Between a revocation and the
+        take-over of the next assignment (a rejoin revokes every partition, and the group
+        assigns them again only once each member rejoined: seconds, or a dead member's
+        session) the stage owns nothing and its partitions' work is still ahead, such as
+        a group stage re-sending the decisions a killed owner archived but never sent."""
+        assigned = {tp.partition for tp in self.consumer.assignment()}
+        return (self.joined and not self.working and assigned <= self.owned
+                and not self.dead_letters.rows)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""

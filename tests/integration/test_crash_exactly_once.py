@@ -28,6 +28,7 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from schemas.tables import TABLES
+from tests.integration import chaos_report
 from tests.integration.pipeline import assert_keys_once, run_processor
 
 SIM = SimulationConfig(
@@ -55,6 +56,9 @@ def _kafka(broker, prefix: str) -> KafkaSettings:
     return kafka
 
 
+TIMELINE: list[str] = []  # kills and spawns of the running test, for its failure report
+
+
 def _spawn(kafka: KafkaSettings, lake: str, logs, until_idle: float | None = None):
     """A processor instance; its log goes to a file (a pipe nobody reads would fill up and
     stall it)."""
@@ -66,6 +70,7 @@ def _spawn(kafka: KafkaSettings, lake: str, logs, until_idle: float | None = Non
     log = logs / f"instance-{len(list(logs.iterdir()))}.log"
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     process.log = log
+    TIMELINE.append(f"{time.time():.3f} spawn {log.name} pid {process.pid}")
     return process
 
 
@@ -73,6 +78,7 @@ def _kill(process: subprocess.Popen) -> None:
     assert process.poll() is None, process.log.read_text()[-3000:]
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
+    TIMELINE.append(f"{time.time():.3f} kill {process.log.name}")
 
 
 def _copy_topics(source: KafkaSettings, target: KafkaSettings) -> int:
@@ -118,6 +124,7 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     seed = int(os.environ.get("ROLLOUTLAKE_CHAOS_SEED", random.SystemRandom().randrange(2**32)))
     print(f"chaos seed {seed} (set ROLLOUTLAKE_CHAOS_SEED to repeat the kill schedule)")
     rng = random.Random(seed)
+    TIMELINE.clear()
     chaos = _kafka(broker, f"chaos{uuid.uuid4().hex[:6]}.")
     chaos_lake = str(tmp_path / "chaos")
     logs = tmp_path / "logs"
@@ -171,7 +178,13 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     assert len(_rows(ref, "steps")) >= SIM.steps
     for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
                   "dead_letters"):
-        assert _rows(got, table) == _rows(ref, table), f"{table} differs from the reference"
+        if _rows(got, table) != _rows(ref, table):
+            try:
+                what = chaos_report.report(chaos, got, ref, SIM.run_id, logs, TIMELINE)
+            except Exception as err:  # noqa: BLE001 - the difference is the failure, not this
+                what = f"(no report: {type(err).__name__}: {err})"
+            pytest.fail(f"{table} differs from the reference (seed {seed}; logs in {logs})\n"
+                        + what)
 
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", chaos_lake, "--run",

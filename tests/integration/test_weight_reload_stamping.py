@@ -1,0 +1,121 @@
+"""A sample's `weight_version` names the weights that generated it, also across a reload.
+
+The engine here is in process and keeps vLLM's pause semantics (every pause mode queues a
+request that arrives while paused and runs it after the resume, under the new weights);
+its answers' log-probs name the weight version that generated them. A generate request
+takes a while to reach it, as over a network or a busy connection pool, so a reload that
+starts while a request is on its way pauses the engine before that request arrives.
+The events go through a real broker and are read back from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ingest.core.dataset_rows import DatasetOptions
+from ingest.sdk.publisher import RolloutPublisher
+from ingest.workers.config import WorkerConfig
+from ingest.workers.engines import Engine, Generation, Sampling
+from ingest.workers.prompts import DatasetPrompts, load_prompts
+from ingest.workers.rollout import RolloutWorker
+from schemas.control import WeightsUpdated
+from schemas.dotted import load_callable
+from tests.support.engine_server import published, write_dataset
+from trainer.tiny import tiny_tokenizer
+
+pytestmark = pytest.mark.one_broker("the worker's broker path is the SDK's")
+
+TRANSIT_S = 0.3  # a generate request's way to the engine
+LOAD_S = 0.05  # the engine's weight load, between its pause and its resume
+
+
+class PausingEngine(Engine):
+    """vLLM's pause/load/resume in process; each answer's log-probs are minus the version of
+    the weights that generated it."""
+
+    name = "pausing engine"
+
+    def __init__(self, version: int):
+        super().__init__("http://127.0.0.1:9")  # never called: every route is overridden
+        self.version = version
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.sent = asyncio.Event()  # a generate request is on its way
+
+    async def health(self) -> bool:
+        return True
+
+    async def generate(self, prompt_tokens: list[int], sampling: Sampling,
+                       request_id: str) -> Generation:
+        self.sent.set()
+        await asyncio.sleep(TRANSIT_S)
+        await self.resumed.wait()  # arrived while paused: queued until the resume
+        return Generation([7, 8], [-float(self.version)] * 2, "completed")
+
+    async def abort(self, request_ids: list[str]) -> None:
+        pass
+
+    async def reload_weights(self, path: str, weight_version: int) -> None:
+        self.resumed.clear()
+        await asyncio.sleep(LOAD_S)
+        self.version = weight_version
+        self.resumed.set()
+
+
+def run_worker(kafka, tmp_path, run_id: str, announce: list[int]) -> None:
+    """Three steps of two groups of two samples; once the first request is on its way, the
+    versions in `announce` are announced one after the other."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tokenizer_dir)
+    config = WorkerConfig(
+        run=run_id, prompt_data=write_dataset(tmp_path / "prompts.jsonl",
+                                              [{"input": "1+1=", "label": "2"}]),
+        tokenizer=tokenizer_dir, label_key="label",
+        custom_rm_path="tests.support.user_rewards.digit_share_or_raise", kafka=kafka,
+        n_samples_per_prompt=2, rollout_batch_size=2, num_steps=3, weight_version=4,
+        seal_wait_s=0)
+    assert config.prompt_data is not None
+    prompts = load_prompts(config.prompt_data, DatasetOptions(label_key="label"), tokenizer)
+
+    async def drive() -> None:
+        engine = PausingEngine(config.weight_version)
+        with RolloutPublisher(kafka, producer_id=f"worker-{run_id}") as publisher:
+            worker = RolloutWorker(config, publisher=publisher, engines=[engine],
+                                   tokenizer=tokenizer,
+                                   reward_fn=load_callable(config.custom_rm_path, "reward"),
+                                   prompts=DatasetPrompts(prompts))
+            running = asyncio.create_task(worker.run())
+            await engine.sent.wait()
+            for version in announce:
+                worker.on_control(WeightsUpdated(run_id=run_id, step=0, path="new", version=version))
+            await running
+        await engine.aclose()
+
+    asyncio.run(drive())
+
+
+def stamped_and_generated_after(kafka, tmp_path, run_id: str,
+                                announce: list[int]) -> set[int]:
+    """The versions the run's samples are stamped with, each checked against the version
+    that generated it."""
+    run_worker(kafka, tmp_path, run_id, announce)
+    finished = [e for e in published(kafka, run_id) if e.type == "sample_finished"]
+    assert len(finished) == 3 * 2 * 2
+    for event in finished:
+        assert list(event.rollout_log_probs) == [-float(event.weight_version)] * 2, (
+            f"a sample stamped weight version {event.weight_version} was generated by "
+            f"version {-event.rollout_log_probs[0]:.0f}")
+    return {event.weight_version for event in finished}
+
+
+def test_a_request_on_its_way_at_a_reload_is_stamped_with_the_weights_that_generate_it(
+        kafka, tmp_path):
+    assert stamped_and_generated_after(kafka, tmp_path, "reload-in-transit", [5]) == {4, 5}
+
+
+def test_back_to_back_reloads_stamp_every_sample_with_its_generating_version(kafka, tmp_path):
+    versions = stamped_and_generated_after(kafka, tmp_path, "reload-twice", [5, 6])
+    assert 4 in versions and 6 in versions and versions <= {4, 5, 6}
