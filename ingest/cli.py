@@ -33,6 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("ingest.workers.engine_server", "run an inference engine on loopback: vLLM's CPU build or SGLang (CUDA)"),
     "worker": ("ingest.workers.main", "generate rollouts on engines, score them and publish events"),
 }
+# name -> module whose `prestart(argv)` starts helper processes before the flags are parsed
+# (the parse imports the command's heavy modules; a helper imports them alongside).
+PRESTART: dict[str, str] = {"process": "ingest.processor.launch"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
     try:
+        if command in PRESTART:
+            _load(PRESTART[command]).prestart(argv)
         args = build_parser(only=command).parse_args(argv)
         logging.basicConfig(
             level=logging.DEBUG if args.verbose else logging.INFO,

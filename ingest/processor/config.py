@@ -32,10 +32,10 @@ class ProcessorConfig(BaseModel):
     """Exit 0 after this many seconds without new messages, once everything is committed."""
     poll_timeout_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
     max_poll_records: Annotated[int, Field(ge=1)] = 2000
-    session_timeout_ms: Annotated[int, Field(ge=1000)] = 6000
-    """Consumer-group session timeout. Apache Kafka refuses less than its
-    group.min.session.timeout.ms (6000 by default); Tansu takes any and answers a first
-    join after about half of it, so 2000 starts a local processor 2 s sooner."""
+    session_timeout_ms: Annotated[int, Field(ge=1000)] | None = None
+    """Consumer-group session timeout. By default 2000 where the broker accepts it (Tansu
+    answers a first join after about half of it), else 6000 (Apache Kafka refuses less
+    than its group.min.session.timeout.ms, 6000 by default)."""
     snapshot_every: Annotated[int, Field(ge=1)] = 500
     """`rollout.decisions` records (decisions, notices, watermarks) between two snapshots
     of the batch stage's state (per partition): a restart replays at most this many."""

@@ -57,6 +57,7 @@ class StageHealth:
     last_commit_at: float | None = None  # wall clock, for people
     lag: int | None = None
     error: str | None = None
+    session_timeout_ms: int | None = None  # the one the stage's consumer joins with
     report_level: int = logging.WARNING  # of the broker-lost lines
 
     def observe_broker(self, reachable: bool, now: float) -> None:
@@ -110,7 +111,7 @@ class StageHealth:
         return {
             "role": self.role, "state": self.state, "consumer_group": self.group_id,
             "partitions": self.partitions, "last_commit_at": self.last_commit_at,
-            "lag": self.lag, "error": self.error,
+            "lag": self.lag, "error": self.error, "session_timeout_ms": self.session_timeout_ms,
             "broker_unreachable_for_s": None if self.unreachable_since is None
             else round(time.monotonic() - self.unreachable_since, 1),
         }

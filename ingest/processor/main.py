@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
-import os
 import signal
 import sys
 import threading
 import time
 
-from ingest.io.child_process import die_with_parent
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import write_status
+from ingest.processor.launch import BatchChild, take_prestarted
 from ingest.processor.wandb_sink import follow_all_runs
 from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
@@ -135,9 +133,10 @@ class Processor:
             self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
 
 
-def _batch_process(config: ProcessorConfig, parent_pid: int, kafka_log_level: int) -> None:
-    """Entry point of the batch-stage child process (started with `spawn`)."""
-    die_with_parent(parent_pid)  # no orphan stage lives on
+def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
+                    drain_asked: threading.Event) -> None:
+    """The batch stage of `config`, run by the child process (`launch.BatchChild`);
+    `drain_asked` is set when the parent asked it to drain before the stage existed."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
@@ -149,7 +148,8 @@ def _batch_process(config: ProcessorConfig, parent_pid: int, kafka_log_level: in
         for stage in processor.stages:  # the parent says it to the user
             stage.health.report_level = logging.INFO
         signal.signal(signal.SIGTERM, processor.drain)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+        if drain_asked.is_set():
+            processor.drain()
         code = processor.run()
     except RolloutlakeError as err:
         print(f"rolloutlake process: {err}", file=sys.stderr, flush=True)
@@ -157,24 +157,25 @@ def _batch_process(config: ProcessorConfig, parent_pid: int, kafka_log_level: in
     sys.exit(code)
 
 
-def run_split(config: ProcessorConfig) -> int:
-    """Group stage here, batch stage in a child process; returns the exit code."""
-    # The child writes the metrics and closes the last steps, so it runs the W&B sink.
-    groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}))
-    # delta-rs must not be forked: the child is spawned, a fresh interpreter.
-    child = multiprocessing.get_context("spawn").Process(
-        # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
-        target=_batch_process,
-        args=(config, os.getpid(), logging.getLogger("kafka").getEffectiveLevel()),
-        name="rolloutlake-batches",
-    )
-    child.start()
+def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
+    """Group stage here, batch stage in a child process (`child`, when one was started
+    already); returns the exit code."""
+    child = child or BatchChild()
+    try:
+        # The child writes the metrics and closes the last steps, so it runs the W&B sink.
+        groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}))
+    except BaseException:
+        child.cancel()
+        raise
+    # Configured once the tables exist: two processes creating one Delta table would race.
+    child.configure(config, logging.getLogger("kafka").getEffectiveLevel())
+    process = child.process
 
     def watch_child() -> None:
-        child.join()
+        process.join()
         if not groups.stop_event.is_set():
-            if child.exitcode != CHILD_REPORTED:
-                log.error("the batch stage exited with code %s; stopping", child.exitcode)
+            if process.exitcode != CHILD_REPORTED:
+                log.error("the batch stage exited with code %s; stopping", process.exitcode)
             groups.stop()
 
     threading.Thread(target=watch_child, daemon=True).start()
@@ -185,19 +186,19 @@ def run_split(config: ProcessorConfig) -> int:
     except BaseException:
         # The lake resumes exactly from its transaction marks: no drain is needed, and a
         # broker that is gone would only make the child wait for it.
-        child.kill()
+        process.kill()
         raise
     finally:
-        if child.is_alive():
-            child.terminate()  # SIGTERM: drain, close steps, exit
-            child.join(DRAIN_LIMIT_S + 30)
-        if child.is_alive():
-            child.kill()
-        child.join()
-    if child.exitcode == CHILD_REPORTED:
+        if process.is_alive():
+            process.terminate()  # SIGTERM: drain, close steps, exit
+            process.join(DRAIN_LIMIT_S + 30)
+        if process.is_alive():
+            process.kill()
+        process.join()
+    if process.exitcode == CHILD_REPORTED:
         return CHILD_REPORTED
-    if child.exitcode:
-        raise RolloutlakeError(f"the batch stage exited with code {child.exitcode}")
+    if process.exitcode:
+        raise RolloutlakeError(f"the batch stage exited with code {process.exitcode}")
     return code
 
 
@@ -210,8 +211,11 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(args, "verbose", False):
         # kafka-python logs every reconnect attempt; the stages say it once (health.py)
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    child = take_prestarted()
     if config.stages == "all" and not config.single_process:
-        return run_split(config)
+        return run_split(config, child)
+    if child is not None:
+        child.cancel()
     processor = Processor(config)
     signal.signal(signal.SIGTERM, processor.stop)
     signal.signal(signal.SIGINT, processor.stop)

@@ -25,6 +25,11 @@ from schemas.errors import ConfigError, RolloutlakeError
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 10.0
 TOPIC_WAIT_S = 10.0
+# Session timeouts a stage joins with, in order, while --session-timeout-ms is not given:
+# Tansu answers a join after about half the session timeout (in whole seconds, at least
+# one), most of a processor's start-up at 6 s; Apache Kafka refuses less than its
+# group.min.session.timeout.ms, 6000 by default.
+SESSION_TIMEOUTS_MS = (2000, 6000)
 
 
 class Stage(ConsumerRebalanceListener):
@@ -40,22 +45,17 @@ class Stage(ConsumerRebalanceListener):
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
         # The group stage, which archives run_started events, keeps the runs table.
         self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
-        group_id = f"{config.consumer_group}-{role}"
-        self.health = StageHealth(role, group_id, config.kafka.bootstrap_servers,
+        self.group_id = f"{config.consumer_group}-{role}"
+        self.health = StageHealth(role, self.group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
-        self.consumer = config.kafka.consumer(
-            group_id=group_id,
-            session_timeout_ms=config.session_timeout_ms,
-            heartbeat_interval_ms=max(500, config.session_timeout_ms // 3),
-            max_poll_records=config.max_poll_records,
-        )
-        try:
-            self._wait_for_partitions(topic)
-        except RolloutlakeError:
-            self.close()
-            raise
-        self.consumer.subscribe([topic], listener=self)
         self.topic = topic
+        self.session_timeout_ms = config.session_timeout_ms or SESSION_TIMEOUTS_MS[0]
+        try:
+            self.consumer = self._member()
+        except RolloutlakeError:
+            self.runs.close()
+            self.producer.close()
+            raise
         self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
@@ -69,7 +69,39 @@ class Stage(ConsumerRebalanceListener):
         # --until-idle on a large lake: that is work, not idleness.
         self.working = False
 
-    def _wait_for_partitions(self, topic: str) -> None:
+    def _member(self) -> Any:
+        """A consumer subscribed to the stage's topic in its group, at `session_timeout_ms`."""
+        consumer = self.config.kafka.consumer(
+            group_id=self.group_id,
+            session_timeout_ms=self.session_timeout_ms,
+            heartbeat_interval_ms=max(500, self.session_timeout_ms // 3),
+            max_poll_records=self.config.max_poll_records,
+        )
+        try:
+            self._wait_for_partitions(consumer, self.topic)
+        except RolloutlakeError:
+            consumer.close()
+            raise
+        consumer.subscribe([self.topic], listener=self)
+        self.health.session_timeout_ms = self.session_timeout_ms
+        return consumer
+
+    def _rejoin_with_longer_session_timeout(self) -> None:
+        """The broker refused `session_timeout_ms`: the next of SESSION_TIMEOUTS_MS, unless
+        the user chose it (a one-line error then)."""
+        longer = [ms for ms in SESSION_TIMEOUTS_MS if ms > self.session_timeout_ms]
+        if self.config.session_timeout_ms is not None or not longer:
+            raise ConfigError(
+                f"--session-timeout-ms: the broker refuses {self.session_timeout_ms} ms "
+                "(outside its group.min.session.timeout.ms..group.max.session.timeout.ms; "
+                "Apache Kafka's minimum is 6000 by default)")
+        log.info("%s stage: the broker refuses a %d ms session timeout; joining with %d ms",
+                 self.health.role, self.session_timeout_ms, longer[0])
+        self.consumer.close()
+        self.session_timeout_ms = longer[0]
+        self.consumer = self._member()
+
+    def _wait_for_partitions(self, consumer: Any, topic: str) -> None:
         """Subscribe only once this client's metadata lists the topic's partitions.
 
         Otherwise the first join (immediate on Apache Kafka) assigns nothing, and the
@@ -77,7 +109,7 @@ class Stage(ConsumerRebalanceListener):
         kafka-python then never applies that assignment and the stage waits forever.
         """
         deadline = time.monotonic() + TOPIC_WAIT_S
-        while not self.consumer.partitions_for_topic(topic):
+        while not consumer.partitions_for_topic(topic):
             if time.monotonic() > deadline:
                 raise RolloutlakeError(
                     f"topic {topic} does not exist on {self.config.kafka.bootstrap_servers} "
@@ -102,10 +134,8 @@ class Stage(ConsumerRebalanceListener):
         try:
             polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
         except InvalidSessionTimeoutError:
-            raise ConfigError(
-                f"--session-timeout-ms: the broker refuses {self.config.session_timeout_ms} ms "
-                "(outside its group.min.session.timeout.ms..group.max.session.timeout.ms; "
-                "Apache Kafka's minimum is 6000 by default)") from None
+            self._rejoin_with_longer_session_timeout()
+            return 0
         self.working = bool(polled)
         now = time.monotonic()
         self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)

@@ -314,3 +314,24 @@ def test_a_session_timeout_the_broker_refuses_is_one_line(broker, tmp_path):
             "is 6000 by default)")
     else:
         assert result.returncode == 0, result.stderr
+
+
+def test_without_a_session_timeout_the_stages_join_with_the_shortest_the_broker_takes(
+        broker, tmp_path):
+    """Tansu takes 2000 ms, where a join takes 1 s instead of 3 s at 6000; Apache Kafka
+    refuses it, and each stage joins with 6000 ms instead."""
+    status = tmp_path / "status"
+    result = cli("process", "--lake", str(tmp_path / "lake"), "--bootstrap-servers",
+                 broker.bootstrap_servers, "--topic-prefix", f"sd{os.getpid()}.",
+                 "--status-dir", str(status), "--until-idle-s", "2")
+    assert result.returncode == 0, result.stderr
+    joined_with = {stage: json.loads((status / f"{stage}.json").read_text())["session_timeout_ms"]
+                   for stage in ("groups", "batches")}
+    refusals = [line for line in result.stderr.splitlines()
+                if "the broker refuses a 2000 ms session timeout; joining with 6000 ms" in line]
+    if broker.engine == "kafka":
+        assert joined_with == {"groups": 6000, "batches": 6000}
+        assert len(refusals) == 2, result.stderr
+    else:
+        assert joined_with == {"groups": 2000, "batches": 2000}
+        assert refusals == [], result.stderr

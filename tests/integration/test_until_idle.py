@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer
@@ -13,6 +17,8 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
+from ingest.processor.launch import BatchChild
+from ingest.processor.main import Processor
 from tests.integration.pipeline import event, ordered_kafka, publish, run_processor
 
 
@@ -121,3 +127,34 @@ def member(kafka: KafkaSettings, group: str, **overrides) -> KafkaConsumer:
     consumer = kafka.consumer(group_id=group, session_timeout_ms=6000, **overrides)
     consumer.subscribe([kafka.topics.events])
     return consumer
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (Linux /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+                 .split()[1], 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+def test_a_batch_stage_told_to_drain_before_it_runs_still_seals(broker, tmp_path):
+    """A stopping processor tells its batch-stage child to drain (SIGTERM). An --until-idle
+    parent can stop while the child still imports or waits for its configuration: the
+    child must drain once its stage runs, not die with the decisions unsealed."""
+    sim = SimulationConfig(run_id="early", steps=1, rollout_batch_size=1, n_samples=2,
+                           response_len_mean=8, prompt_len=4, seed=5, mode="open")
+    kafka = ordered_kafka(broker.bootstrap_servers, f"early{os.getpid()}.")
+    run_simulation(kafka, sim)
+    config = ProcessorConfig(kafka=kafka, lake=str(tmp_path / "lake"), until_idle_s=1.0)
+    child = BatchChild()
+    deadline = time.monotonic() + 60
+    while not _catches(child.process.pid, signal.SIGTERM):
+        assert time.monotonic() < deadline and child.process.is_alive()
+        time.sleep(0.01)
+    os.kill(child.process.pid, signal.SIGTERM)
+    groups = Processor(config.model_copy(update={"stages": "groups"}))  # the tables first
+    child.configure(config, logging.WARNING)
+    groups.run()
+    child.process.join(120)
+    assert child.process.exitcode == 0
+    assert Lake(config.lake).read("steps", columns=["step"]).num_rows == sim.steps

@@ -1,0 +1,96 @@
+"""The batch stage's child process, started before the processor parses its flags.
+
+`rolloutlake process` runs the batch stage in a spawned child (delta-rs must not be
+forked), and a spawned interpreter imports pyarrow, deltalake, pydantic and kafka-python
+again: 0.6-1.6 s by load. Parsing the flags imports the same modules in the parent, so a
+child started after the parse makes the two import passes run one after the other. The
+CLI therefore calls `prestart` before it parses: both processes import side by side on
+two cores, and the parent sends the child its configuration once it has one (or kills
+it, if the flags turn out to want no child). On a machine without a core to spare the
+child imports only once the configuration has come, while the parent waits for its
+consumer-group join, as a child started after the parse did. This module imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from ingest.io.child_process import die_with_parent
+
+if TYPE_CHECKING:
+    from ingest.processor.config import ProcessorConfig
+
+# Flags after which the processor runs no batch-stage child (or runs nothing at all).
+_NO_CHILD_FLAGS = ("-h", "--help", "--single-process", "--stages")
+
+_prestarted: BatchChild | None = None
+
+
+class BatchChild:
+    """A spawned interpreter that imports the processor, then waits for its configuration."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        receive, self._send = context.Pipe(duplex=False)
+        self.process = context.Process(target=_child_main, args=(receive, os.getpid()),
+                                       name="rolloutlake-batches")
+        self.process.start()
+        receive.close()
+        # Not configured by the time the parent exits (bad flags, --help): nothing to wait for.
+        atexit.register(self.cancel)
+
+    def configure(self, config: ProcessorConfig, kafka_log_level: int) -> None:
+        """From now on the child runs the batch stage of `config`."""
+        atexit.unregister(self.cancel)
+        # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
+        self._send.send((config, kafka_log_level))
+        self._send.close()
+
+    def cancel(self) -> None:
+        """Stop a child that was never configured: it has only imported modules so far."""
+        atexit.unregister(self.cancel)
+        self._send.close()
+        self.process.kill()
+        self.process.join()
+
+
+def prestart(argv: list[str]) -> None:
+    """Start the batch-stage child now, unless `argv` shows that none will run."""
+    global _prestarted
+    if not any(arg.split("=")[0] in _NO_CHILD_FLAGS for arg in argv):
+        _prestarted = BatchChild()
+
+
+def take_prestarted() -> BatchChild | None:
+    """The child `prestart` started, handed out once."""
+    global _prestarted
+    child, _prestarted = _prestarted, None
+    return child
+
+
+def _child_main(receive: Connection, parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # no orphan stage lives on
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C, even mid-import
+    # The parent's SIGTERM means "drain, then exit"; one that comes before the stage exists
+    # (an --until-idle parent that finished while this child still imported) is kept.
+    drain_asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
+    if os.getloadavg()[0] >= (os.cpu_count() or 1):
+        # No core to spare: importing now would slow the parent's imports, which come first
+        # on the way to the first batch. Import once the configuration comes instead, while
+        # the parent's group stage waits for its consumer-group join.
+        receive.poll(None)
+    from ingest.processor.main import run_batch_stage
+
+    try:
+        config, kafka_log_level = receive.recv()
+    except EOFError:  # the parent went away before it had a configuration
+        return
+    run_batch_stage(config, kafka_log_level, drain_asked)
