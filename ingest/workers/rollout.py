@@ -13,7 +13,10 @@ the engine's tokens and log-probs; a sample the engine could not finish is a
 When the processor seals a step (`step_sealed` on `rollout.control`), that step's
 requests in flight are aborted on every engine and its samples not yet sent are not
 sent: both become `sample_aborted(reason="cancelled")`, which the processor counts as
-`cancelled_at_seal`, and the worker moves on to the next step.
+`cancelled_at_seal`, and the worker moves on to the next step. An aborted request that
+has not answered ABORT_ANSWER_S later is given up (an engine can drop the answer of an
+aborted request: seen on vLLM's CPU build): its sample is cancelled with the tokens it had
+before that request.
 
 With `--partial-rollout` a group cancelled at a seal is kept, with its tokens, on the
 compacted `rollout.partial` topic (`ingest/workers/partial.py`), and the next rounds
@@ -70,6 +73,7 @@ PROGRESS_INTERVAL_S = 0.5
 # Groups of step s's extra rounds are numbered from EXTRA_GROUPS * (s + 1): above the first
 # rounds' `s * groups_per_step` of any step, and apart from every other step's extras.
 EXTRA_GROUPS = 2**32
+ABORT_ANSWER_S = 10.0
 
 EventIds = Callable[..., str | None]
 
@@ -137,6 +141,8 @@ class RolloutWorker:
         self._in_flight: dict[int, set[str]] = defaultdict(set)  # step -> request ids
         self._sealed: set[int] = set()
         self._cancelled: set[str] = set()
+        self._requests: dict[str, asyncio.Task[Generation]] = {}  # request id -> in flight
+        self._given_up: set[str] = set()  # aborted requests that never answered
         self._background: set[asyncio.Task[None]] = set()
         self.weight_version = config.weight_version
         self._serving = asyncio.Event()  # cleared from a reload's start to its end
@@ -263,6 +269,17 @@ class RolloutWorker:
         for engine, result in zip(self.engines, results, strict=True):
             if isinstance(result, Exception):
                 log.warning("could not abort requests on %s: %s", engine.url, result)
+        answers = [self._requests[r] for r in request_ids if r in self._requests]
+        if answers:
+            await asyncio.wait(answers, timeout=ABORT_ANSWER_S)
+        unanswered = [r for r in request_ids if r in self._requests]
+        if unanswered:
+            log.warning("%d aborted requests did not answer within %g s; their samples are "
+                        "cancelled with the tokens they had before: %s", len(unanswered),
+                        ABORT_ANSWER_S, ", ".join(unanswered))
+        for request_id in unanswered:
+            self._given_up.add(request_id)
+            self._requests[request_id].cancel()
 
     async def run(self) -> Progress:
         if self.partial is not None:
@@ -431,19 +448,24 @@ class RolloutWorker:
             else:
                 self._in_flight[step].add(request_id)
                 self.progress.in_flight += 1
+                request = self._requests[request_id] = asyncio.create_task(engine.generate(
+                    [*prompt.tokens, *before.tokens],
+                    dataclasses.replace(self._sampling_for(sample_index), max_new_tokens=budget),
+                    request_id))
                 try:
-                    generation = await engine.generate(
-                        [*prompt.tokens, *before.tokens],
-                        dataclasses.replace(self._sampling_for(sample_index),
-                                            max_new_tokens=budget),
-                        request_id)
+                    generation = await request
                 except EngineError as err:
                     if request_id not in self._cancelled:
                         self._engine_failed(str(err))
                     else:  # cancelled: what it had generated is lost with the answer
                         log.info("cancelled request %s got no answer (%s): recorded without "
                                  "its partial tokens", request_id, err)
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if request_id not in self._given_up or (current and current.cancelling()):
+                        raise
                 finally:
+                    self._requests.pop(request_id, None)
                     self.progress.in_flight -= 1
                     self._in_flight[step].discard(request_id)
                     if self.progress.in_flight == 0:

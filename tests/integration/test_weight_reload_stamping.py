@@ -14,16 +14,10 @@ import asyncio
 
 import pytest
 
-from ingest.core.dataset_rows import DatasetOptions
-from ingest.sdk.publisher import RolloutPublisher
-from ingest.workers.config import WorkerConfig
 from ingest.workers.engines import Engine, Generation, Sampling
-from ingest.workers.prompts import DatasetPrompts, load_prompts
-from ingest.workers.rollout import RolloutWorker
 from schemas.control import WeightsUpdated
-from schemas.dotted import load_callable
-from tests.support.engine_server import published, write_dataset
-from trainer.tiny import tiny_tokenizer
+from tests.support.engine_server import published
+from tests.support.in_process_worker import run_in_process
 
 pytestmark = pytest.mark.one_broker("the worker's broker path is the SDK's")
 
@@ -67,34 +61,15 @@ class PausingEngine(Engine):
 def run_worker(kafka, tmp_path, run_id: str, announce: list[int]) -> None:
     """Three steps of two groups of two samples; once the first request is on its way, the
     versions in `announce` are announced one after the other."""
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer = tiny_tokenizer()
-    tokenizer.save_pretrained(tokenizer_dir)
-    config = WorkerConfig(
-        run=run_id, prompt_data=write_dataset(tmp_path / "prompts.jsonl",
-                                              [{"input": "1+1=", "label": "2"}]),
-        tokenizer=tokenizer_dir, label_key="label",
-        custom_rm_path="tests.support.user_rewards.digit_share_or_raise", kafka=kafka,
-        n_samples_per_prompt=2, rollout_batch_size=2, num_steps=3, weight_version=4,
-        seal_wait_s=0)
-    assert config.prompt_data is not None
-    prompts = load_prompts(config.prompt_data, DatasetOptions(label_key="label"), tokenizer)
+    engine = PausingEngine(4)
 
-    async def drive() -> None:
-        engine = PausingEngine(config.weight_version)
-        with RolloutPublisher(kafka, producer_id=f"worker-{run_id}") as publisher:
-            worker = RolloutWorker(config, publisher=publisher, engines=[engine],
-                                   tokenizer=tokenizer,
-                                   reward_fn=load_callable(config.custom_rm_path, "reward"),
-                                   prompts=DatasetPrompts(prompts))
-            running = asyncio.create_task(worker.run())
-            await engine.sent.wait()
-            for version in announce:
-                worker.on_control(WeightsUpdated(run_id=run_id, step=0, path="new", version=version))
-            await running
-        await engine.aclose()
+    async def announce_once_sent(worker) -> None:
+        await engine.sent.wait()
+        for version in announce:
+            worker.on_control(WeightsUpdated(run_id=run_id, step=0, path="new", version=version))
 
-    asyncio.run(drive())
+    run_in_process(kafka, tmp_path, run_id, engine, announce_once_sent, n_samples_per_prompt=2,
+                   rollout_batch_size=2, num_steps=3, weight_version=engine.version)
 
 
 def stamped_and_generated_after(kafka, tmp_path, run_id: str,
