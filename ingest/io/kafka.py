@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from schemas.errors import BrokerUnavailableError, EventTooLargeError
+from schemas.errors import BrokerUnavailableError, EventTooLargeError, RolloutlakeError
 from schemas.events import AnyEvent, RunStarted, encode_event, event_group_key
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,24 @@ def fetch_position(consumer: KafkaConsumer, tp: Any) -> int | None:
     """
     state = consumer._subscription.assignment.get(tp)
     return None if state is None or state.position is None else state.position.offset
+
+
+def subscribe_once_listed(consumer: KafkaConsumer, topic: str, listener: Any = None, *,
+                          timeout_s: float) -> None:
+    """Subscribe `consumer` to `topic` once its metadata lists the topic's partitions.
+
+    Subscribed before, the first join (immediate on Apache Kafka) assigns nothing, and the
+    rebalance that follows the metadata update can complete after `poll` returned:
+    kafka-python then never applies that assignment and the member waits forever.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not consumer.partitions_for_topic(topic):
+        if time.monotonic() > deadline:
+            raise RolloutlakeError(
+                f"topic {topic} does not exist on {','.join(consumer.config['bootstrap_servers'])} "
+                f"(no partitions listed within {timeout_s:.0f} s)")
+        time.sleep(0.1)
+    consumer.subscribe([topic], listener=listener)
 
 
 def key_partition(key: bytes, partitions: int) -> int:

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
 
-from ingest.io.kafka import fetch_position
+from ingest.io.kafka import fetch_position, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
@@ -96,11 +96,10 @@ class Stage(ConsumerRebalanceListener):
             max_poll_records=self.config.max_poll_records,
         )
         try:
-            self._wait_for_partitions(consumer, self.topic)
+            subscribe_once_listed(consumer, self.topic, self, timeout_s=TOPIC_WAIT_S)
         except RolloutlakeError:
             consumer.close()
             raise
-        consumer.subscribe([self.topic], listener=self)
         self.health.session_timeout_ms = self.session_timeout_ms
         return consumer
 
@@ -118,22 +117,6 @@ class Stage(ConsumerRebalanceListener):
         self.consumer.close()
         self.session_timeout_ms = longer[0]
         self.consumer = self._member()
-
-    def _wait_for_partitions(self, consumer: Any, topic: str) -> None:
-        """Subscribe only once this client's metadata lists the topic's partitions.
-
-        Otherwise the first join (immediate on Apache Kafka) assigns nothing, and the
-        rebalance that follows the metadata update can complete after `poll` returned:
-        kafka-python then never applies that assignment and the stage waits forever.
-        """
-        deadline = time.monotonic() + TOPIC_WAIT_S
-        while not consumer.partitions_for_topic(topic):
-            if time.monotonic() > deadline:
-                raise RolloutlakeError(
-                    f"topic {topic} does not exist on {self.config.kafka.bootstrap_servers} "
-                    f"(no partitions listed within {TOPIC_WAIT_S:.0f} s)"
-                )
-            time.sleep(0.1)
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)
@@ -165,6 +148,8 @@ class Stage(ConsumerRebalanceListener):
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
                 self.caught_up, self.ends_checked = False, {}
+                # A stall counts from the take-over: not the polls of a (long) join before
+                self.empty_polls = self.stall_reported_at = 0
             self.joined = True
             self.health.joined(sorted(tp.partition for tp in self.consumer.assignment()))
             self.last_activity = time.monotonic()

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pyarrow.compute as pc
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
@@ -100,7 +100,7 @@ def stuck_member(kafka: KafkaSettings, group_id: str) -> Any:
     """A member of `group_id` on the events topic that joined and then stops polling: the
     broker holds the group's next rebalance for it. The caller closes it."""
     consumer = kafka.consumer(group_id=group_id)
-    consumer.subscribe([kafka.topics.events])
+    subscribe_once_listed(consumer, kafka.topics.events, timeout_s=30)
     deadline = time.monotonic() + 30
     while not consumer.assignment() and time.monotonic() < deadline:
         consumer.poll(timeout_ms=200)

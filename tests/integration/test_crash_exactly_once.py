@@ -64,7 +64,7 @@ def _spawn(kafka: KafkaSettings, lake: str, logs, until_idle: float | None = Non
     stall it)."""
     cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
            kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-           "--event-partitions", "4", "--consumer-group", GROUP]
+           "--event-partitions", "4", "--consumer-group", f"{kafka.topic_prefix}{GROUP}"]
     if until_idle is not None:
         cmd += ["--until-idle", str(until_idle)]
     log = logs / f"instance-{len(list(logs.iterdir()))}.log"
@@ -167,7 +167,8 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
     reference = _kafka(broker, f"ref{uuid.uuid4().hex[:6]}.")
     assert _copy_topics(chaos, reference) > 0
     reference_lake = str(tmp_path / "reference")
-    run_processor(reference, reference_lake, idle_s=4.0, consumer_group="chaos-reference")
+    run_processor(reference, reference_lake, idle_s=4.0,
+                  consumer_group=f"{reference.topic_prefix}chaos-reference")
     phases["reference"] = time.monotonic() - started - sum(phases.values())
     out_of_order = sum(log.read_text().count("came after later ones") for log in logs.iterdir())
     print(f"{kills} kills, {out_of_order} decisions out of order; seconds per phase: "

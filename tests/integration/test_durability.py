@@ -177,14 +177,17 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
                 pub.send_raw(pub.topics.events, event_group_key(HELD.run_id, body["group_index"]),
                              orjson.dumps(body))
     decided = str(tmp_path / "decided")
-    run_processor(kafka, decided, idle_s=1.5, stages="groups", consumer_group="held-groups")
+    run_processor(kafka, decided, idle_s=1.5, stages="groups",
+                  consumer_group=f"{kafka.topic_prefix}held-groups")
     reference, lake_root = str(tmp_path / "reference"), str(tmp_path / "lake")
     shutil.copytree(decided, reference)
     shutil.copytree(decided, lake_root)
-    run_processor(kafka, reference, idle_s=1.5, stages="batches", consumer_group="held-ref")
+    run_processor(kafka, reference, idle_s=1.5, stages="batches",
+                  consumer_group=f"{kafka.topic_prefix}held-ref")
 
     # A batch stage that stops, as if killed, right after a snapshot with decisions held.
-    config = ProcessorConfig(kafka=kafka, lake=lake_root, consumer_group="held-cut",
+    config = ProcessorConfig(kafka=kafka, lake=lake_root,
+                             consumer_group=f"{kafka.topic_prefix}held-cut",
                              snapshot_every=5, max_poll_records=5)
     stage = BatchStage(config, Lake(lake_root))
     deadline = time.monotonic() + 60
@@ -199,7 +202,7 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
     stage.close()
 
     second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
-                           consumer_group="held-cut")
+                           consumer_group=f"{kafka.topic_prefix}held-cut")
     assert _batch_stage(second).resumed_from == {0: cut + 1}
     ref, lake = Lake(reference), Lake(lake_root)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
@@ -234,10 +237,11 @@ def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_pa
         sample(run, 0, 0, 1.0, ts=t0 + 0.4), sample(run, 0, 1, 0.0, ts=t0 + 0.5),
     ])
     lake_root = str(tmp_path / "lake")
-    run_processor(kafka, lake_root, idle_s=1.5, stages="groups", consumer_group="early-groups")
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups",
+                  consumer_group=f"{kafka.topic_prefix}early-groups")
 
-    config = ProcessorConfig(kafka=kafka, lake=lake_root, consumer_group="early-batches",
-                             snapshot_every=1)
+    config = ProcessorConfig(kafka=kafka, lake=lake_root,
+                             consumer_group=f"{kafka.topic_prefix}early-batches", snapshot_every=1)
     stage = BatchStage(config, Lake(lake_root))
     # The runs topic is read to its end at most once per poll, not once per notice of a
     # run without config (a broker round trip each).
@@ -258,9 +262,10 @@ def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_pa
     stage.close()
 
     publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
-    run_processor(kafka, lake_root, idle_s=1.5, stages="groups", consumer_group="early-groups")
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups",
+                  consumer_group=f"{kafka.topic_prefix}early-groups")
     second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
-                           consumer_group="early-batches")
+                           consumer_group=f"{kafka.topic_prefix}early-batches")
     assert _batch_stage(second).resumed_from == {0: cut + 1}
     decided = {r["group_index"]: (r["decision"], r["batch_step"])
                for r in rows(lake_root, "groups", run)}

@@ -92,12 +92,12 @@ def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_ag
     streaming.start()
     processor = threading.Thread(target=run_processor, args=(kafka, live),
                                  kwargs={"idle_s": 4.0, "max_poll_records": 3,
-                                         "consumer_group": "order-live"})
+                                         "consumer_group": f"{kafka.topic_prefix}order-live"})
     processor.start()
     streaming.join()
     processor.join()
     # The same events again, all there at once, consumed in large polls.
-    run_processor(kafka, backlog, idle_s=4.0, consumer_group="order-backlog")
+    run_processor(kafka, backlog, idle_s=4.0, consumer_group=f"{kafka.topic_prefix}order-backlog")
 
     steps = _steps(live)
     assert sorted(steps) == list(range(SIM.steps))
@@ -188,7 +188,8 @@ def test_a_record_that_reached_the_broker_keeps_its_time_while_other_partitions_
     producer.flush()
     # One record per poll, each committed: a partition's records take seconds to read.
     stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake_root, max_poll_records=1,
-                                       consumer_group="idle-check"), Lake(lake_root))
+                                       consumer_group=f"{kafka.topic_prefix}idle-check"),
+                       Lake(lake_root))
     try:
         deadline = time.monotonic() + 120
         while 59 not in stage.recorded.values() and time.monotonic() < deadline:

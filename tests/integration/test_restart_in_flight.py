@@ -17,7 +17,7 @@ def process(kafka, lake_root: str, until_idle: float = 3.0) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
          kafka.bootstrap_servers, "--lake", lake_root, "--topic-prefix", kafka.topic_prefix,
-         "--until-idle", str(until_idle), "--consumer-group", "restart"],
+         "--until-idle", str(until_idle), "--consumer-group", f"{kafka.topic_prefix}restart"],
         capture_output=True, text=True, timeout=180, env=dict(os.environ),
     )
 
@@ -42,7 +42,8 @@ def test_restart_with_a_group_in_flight_resumes_it(kafka, lake_root):
     # The rebuilt group's notices are sent again; the batch stage knows them already.
     assert "came after later ones" not in second.stderr + third.stderr
     decided = rows(lake_root, "groups", run)
-    assert [(g["group_index"], g["decision"], g["batch_step"]) for g in decided] == [(0, "kept", 0)]
+    assert [(g["group_index"], g["decision"], g["batch_step"]) for g in decided] == [
+        (0, "kept", 0)], third.stderr[-3000:]
     assert len(rows(lake_root, "samples", run)) == 2
     assert [s["step"] for s in rows(lake_root, "steps", run)] == [0]
 

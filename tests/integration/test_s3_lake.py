@@ -1,5 +1,6 @@
-"""The lake on S3: a local S3-compatible server (moto's server mode, from PyPI) started
-by the test, several writers per table, commits made safe by conditional put."""
+"""The lake on S3: a local S3-compatible server (moto's server mode, from PyPI, with atomic
+conditional puts: tests/support/s3_server.py) started by the test, several writers per
+table, commits made safe by conditional put."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import STEP_METRICS
 from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
+from tests.support.engine_server import ROOT
 
 pytestmark = pytest.mark.one_broker("the object store's commits; the broker path is tested on both engines elsewhere")
 
@@ -43,8 +45,8 @@ def s3_env(tmp_path_factory):
     port = free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "tests.support.s3_server", "127.0.0.1", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
     )
     deadline = time.monotonic() + 30
     while True:
@@ -119,7 +121,7 @@ def _publish(kafka: KafkaSettings, pause_s: float) -> None:
 def _instance(kafka: KafkaSettings, lake: str, env: dict[str, str], until_idle: float | None):
     cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
            kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-           "--event-partitions", "1", "--consumer-group", "s3-pair"]
+           "--event-partitions", "1", "--consumer-group", f"{kafka.topic_prefix}s3-pair"]
     if until_idle is not None:
         cmd += ["--until-idle", str(until_idle)]
     return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,

@@ -46,7 +46,8 @@ def _publish(kafka: KafkaSettings, pause_s: float) -> None:
 def _command(kafka: KafkaSettings, lake: str, status: Path) -> list[str]:
     return [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
             kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-            "--consumer-group", "scale", "--status-dir", str(status), "--snapshot-every", "20"]
+            "--consumer-group", f"{kafka.topic_prefix}scale", "--status-dir", str(status),
+            "--snapshot-every", "20"]
 
 
 def _instance(kafka: KafkaSettings, lake: str, status: Path) -> subprocess.Popen:
@@ -142,5 +143,6 @@ def test_an_instance_left_without_partitions_still_finishes_when_idle(broker, tm
         busy.kill()
         busy.wait()
     assert spare.returncode == 0, spare.stderr[-3000:]
-    assert "groups stage: joined consumer group scale-groups, partitions" in spare.stderr
+    assert (f"groups stage: joined consumer group {kafka.topic_prefix}scale-groups, partitions"
+            in spare.stderr)
     assert json.loads((tmp_path / "spare" / "groups.json").read_text())["state"] == "stopped"
