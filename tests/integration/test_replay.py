@@ -58,6 +58,8 @@ def four_partition_lake(broker, tmp_path) -> str:
     return lake
 
 
+@pytest.mark.one_broker("replay reads the lake, not the broker; the processor that builds "
+                        "the lake runs on both brokers in test_event_time and the chaos test")
 def test_replay_check_passes_on_a_four_partition_lake_and_fails_under_another_batch_size(
         four_partition_lake):
     lake = Lake(four_partition_lake)
