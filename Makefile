@@ -49,17 +49,15 @@ test: install kafka-jars engine
 	$(PY) -m mypy
 	$(PY) -m pytest -q -n 3 --dist loadfile
 
-# The whole loop, the worker's engine and partial-rollout tests on a real SGLang server. The
-# install script comes first: without a CUDA GPU it stops at once with one line, before
-# anything installs.
+# The whole loop and the worker's engine tests on a real SGLang server. The install script
+# comes first: without a CUDA GPU it stops at once with one line, before anything installs.
 # Every engine, worker and trainer log stays under artifacts/test-gpu/ (pytest's basetemp).
 test-gpu:
 	@sh deploy/engine/install-sglang.sh $(SGLANG_VENV)
 	$(MAKE) install
 	ROLLOUTLAKE_TEST_ENGINE=sglang ROLLOUTLAKE_TEST_BROKERS=tansu \
 		$(PY) -m pytest -q --basetemp=artifacts/test-gpu \
-		tests/integration/test_loop.py tests/integration/test_engine_worker.py \
-		tests/integration/test_worker_partial_rollout.py
+		tests/integration/test_loop.py tests/integration/test_engine_worker.py
 
 test-fast: install
 	$(PY) -m pytest -q tests/unit

@@ -100,7 +100,6 @@ class Topics:
     decisions: str = "rollout.decisions"
     control: str = "rollout.control"
     deadletter: str = "rollout.deadletter"
-    partial: str = "rollout.partial"
 
     @classmethod
     def with_prefix(cls, prefix: str) -> Topics:
@@ -293,8 +292,6 @@ class KafkaSettings(BaseModel):
 
         `rollout.runs` is compacted (keyed by run): a run's latest `run_started` stays
         however long the run lasts, whatever the retention of the other topics.
-        `rollout.partial` is compacted too (keyed by cancelled group): the partial rollouts
-        workers keep for a later step (`schemas/partial.py`).
         """
         topics = self.topics
         compacted = {"cleanup.policy": "compact"}
@@ -304,7 +301,6 @@ class KafkaSettings(BaseModel):
             NewTopic(topics.decisions, self.decision_partitions, 1),
             NewTopic(topics.control, 1, 1),
             NewTopic(topics.deadletter, 1, 1),
-            NewTopic(topics.partial, 1, 1, topic_configs=compacted),
         ]
 
     def ensure_topics(self) -> Topics:

@@ -140,14 +140,6 @@ class WorkerConfig(BaseModel):
     """Seed of the engines' sampling: sample `i` of the run is drawn with seed
     `seed * 2**32 + i`, so the same weights give the same samples (vLLM only). Unset:
     the engine's own randomness."""
-    partial_rollout: bool = False
-    """Keep the groups a seal cancels (tokens generated so far included) on the compacted
-    `rollout.partial` topic and continue them first in later rounds, from their tokens
-    with the remaining `max_new_tokens` (Miles `--partial-rollout`, but surviving
-    restarts). Needs `--prompt-data`: the gateway numbers the groups of `--prompts-from`."""
-    mask_offpolicy_in_partial_rollout: bool = False
-    """Loss mask 0 for a continued rollout's tokens generated under older weights than
-    the ones it finishes under (Miles `--mask-offpolicy-in-partial-rollout`)."""
     max_over_sampling_rounds: int = Field(default=8, ge=1)
     """Soft cap on the rounds of `--over-sampling-batch-size` groups issued for one step:
     each round beyond it logs a warning and counts in `rounds past cap`; the worker keeps
@@ -166,9 +158,6 @@ class WorkerConfig(BaseModel):
     def _one_prompt_source(self) -> WorkerConfig:
         if (self.prompt_data is None) == (self.prompts_from is None):
             raise ValueError("give exactly one of --prompt-data and --prompts-from")
-        if self.partial_rollout and self.prompts_from is not None:
-            raise ValueError("--partial-rollout continues groups under indexes the worker "
-                             "picks; it takes --prompt-data, not --prompts-from")
         return self
 
     def gateway_token(self) -> str | None:
@@ -193,13 +182,6 @@ class WorkerConfig(BaseModel):
         batch = info.data.get("rollout_batch_size")
         if value is not None and batch is not None and value < batch:
             raise ValueError(f"must be >= --rollout-batch-size ({batch}), got {value}")
-        return value
-
-    @field_validator("mask_offpolicy_in_partial_rollout")
-    @classmethod
-    def _mask_needs_partial(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and not info.data.get("partial_rollout"):
-            raise ValueError("masks continued rollouts, so it needs --partial-rollout")
         return value
 
     @field_validator("seed")
@@ -227,5 +209,4 @@ class WorkerConfig(BaseModel):
             "reward_key": self.reward_key,
             "std_normalization": self.std_normalization,
             **({} if self.max_staleness is None else {"max_staleness": self.max_staleness}),
-            **({"partial_rollout": True} if self.partial_rollout else {}),
         }

@@ -16,7 +16,6 @@ from ingest.sdk.publisher import RolloutPublisher
 from ingest.workers.config import WorkerConfig
 from ingest.workers.control import ControlFollower
 from ingest.workers.engines import EngineError, make_engine
-from ingest.workers.partial import PartialStore
 from ingest.workers.prompts import DatasetPrompts, GatewayPrompts, PromptSource, load_prompts
 from ingest.workers.rollout import Progress, RolloutWorker
 from schemas.config import add_config_flags, config_from_args, setting_name
@@ -75,14 +74,11 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts: PromptSource
                for url in config.engine_urls]
     settings = config.kafka
     follower: ControlFollower | None = None
-    partial: PartialStore | None = None
     try:
         with RolloutPublisher(settings, producer_id=f"worker-{config.run}") as publisher:
-            if config.partial_rollout:
-                partial = PartialStore(settings, config.run)
             worker = RolloutWorker(config, publisher=publisher, engines=engines,
                                    tokenizer=tokenizer, reward_fn=reward_fn, prompts=prompts,
-                                   terminal=sys.stderr, partial=partial)
+                                   terminal=sys.stderr)
             loop = asyncio.get_running_loop()
             follower = ControlFollower(
                 settings, config.run,
@@ -91,8 +87,6 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts: PromptSource
     finally:
         if follower is not None:
             follower.stop()
-        if partial is not None:
-            partial.close()
         for engine in engines:
             await engine.aclose()
         await prompts.aclose()

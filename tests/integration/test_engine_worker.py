@@ -26,13 +26,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ingest.workers.engines import Generation, Sampling, make_engine
 from schemas.control import WeightsUpdated
+from schemas.events import parse_event
 from tests.integration.pipeline import by_group, rows, run_processor
 from tests.support.engine_server import (
     CLI,
     ROOT,
     published,
     running_engine,
-    wait_for_event,
     write_dataset,
 )
 from tests.support.engine_server import worker_command as engine_worker_command
@@ -172,6 +172,24 @@ def test_worker_samples_reach_training_batches_as_the_engine_made_them(
         response = tokenizer.decode(row["response_tokens"], skip_special_tokens=True)
         digits = sum(ch.isdigit() for ch in response) / max(len(response), 1)
         assert row["reward"] == pytest.approx(digits)
+
+
+def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen[str]) -> None:
+    """Return as soon as the run's first `event_type` is on the broker (the worker may
+    still be publishing: this does not wait for the stream to go quiet)."""
+    consumer = kafka.consumer(consumer_timeout_ms=1000)
+    consumer.subscribe([kafka.topics.events])
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            for record in consumer:
+                event = parse_event(json.loads(record.value))
+                if event.run_id == run_id and event.type == event_type:
+                    return
+            assert worker.poll() is None, worker.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, f"no {event_type} of {run_id} within 300 s"
+    finally:
+        consumer.close()
 
 
 def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from ingest.io.broker import free_port
-from ingest.workers.partial import PartialStore
-from schemas.partial import PartialGroup, PartialPrompt, PartialSample
 from trainer.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,22 +89,6 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
                     "start one with `rolloutlake engine` or fix --engine-url")
 
 
-def test_worker_refuses_recycled_groups_of_another_group_size(kafka, worker_inputs):
-    store = PartialStore(kafka, "bad-input")
-    try:
-        store.put(PartialGroup(
-            run_id="bad-input", group_index=5, step=0,
-            prompt=PartialPrompt(text="1+1=", label="2", tokens=[1, 2]),
-            samples=[PartialSample(rollout_id=r, status="unsent") for r in range(2)]))
-    finally:
-        store.close()
-    line = refused(*worker_args(kafka, *worker_inputs, "--partial-rollout",
-                                "--n-samples-per-prompt", "3",
-                                "--engine-url", f"http://127.0.0.1:{free_port()}"))
-    assert line == ("rolloutlake worker: --n-samples-per-prompt 3: recycled group 5 of run "
-                    "bad-input has 2 samples")
-
-
 @pytest.mark.parametrize(("change", "expected"), [
     (("--custom-rm-path", "no_such_module.rm"),
      "rolloutlake worker: --custom-rm-path: reward function path 'no_such_module.rm': cannot "
@@ -135,9 +117,6 @@ def test_worker_refuses_recycled_groups_of_another_group_size(kafka, worker_inpu
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
     (("--prompts-from", "http://127.0.0.1:1"),
      "rolloutlake worker: give exactly one of --prompt-data and --prompts-from"),
-    (("--mask-offpolicy-in-partial-rollout",),
-     "rolloutlake worker: --mask-offpolicy-in-partial-rollout: masks continued rollouts, so "
-     "it needs --partial-rollout"),
     (("--max-over-sampling-rounds", "0"),
      "rolloutlake worker: --max-over-sampling-rounds: Input should be greater than or equal "
      "to 1"),

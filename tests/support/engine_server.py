@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Container, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,24 +75,3 @@ def published(kafka, run_id: str, idle_s: float = 3.0) -> list:
     finally:
         consumer.close()
     return [e for e in events if e.run_id == run_id]
-
-
-def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen[str],
-                   groups: Container[int] | None = None) -> None:
-    """Return as soon as the run's first `event_type` (of one of `groups`, when given) is on
-    the broker (the worker may still be publishing: this does not wait for the stream to
-    go quiet)."""
-    consumer = kafka.consumer(consumer_timeout_ms=1000)
-    consumer.subscribe([kafka.topics.events])
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            for record in consumer:
-                event = parse_event(json.loads(record.value))
-                if event.run_id == run_id and event.type == event_type and (
-                        groups is None or event.group_index in groups):
-                    return
-            assert worker.poll() is None, worker.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, f"no {event_type} of {run_id} within 300 s"
-    finally:
-        consumer.close()

@@ -63,4 +63,3 @@ def test_the_runs_topic_is_created_compacted():
     plan = {t.name: t for t in KafkaSettings(topic_prefix="p.").topic_plan()}
     assert plan["p.rollout.runs"].topic_configs == {"cleanup.policy": "compact"}
     assert plan["p.rollout.events"].topic_configs == {}
-    assert plan["p.rollout.partial"].topic_configs == {"cleanup.policy": "compact"}
