@@ -19,7 +19,7 @@ from schemas.events import RunConfig, RunStarted, decode_event
 from schemas.tables import RUNS, utc_micros
 
 log = logging.getLogger(__name__)
-CATCH_UP_S = 10.0
+CATCH_UP_S = 10.0  # how long `catch_up` reads before it goes on with what it has
 # Checks in a row (`read_to_end`, twice a second) that find the consumer behind the
 # topic's end offsets without having read anything since the previous one, after which it
 # is replaced: kafka-python 3.0 can leave a fetch that never completes (seen on Apache

@@ -96,10 +96,11 @@ def secured(tmp_path_factory) -> SecuredKafka:
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # Twice the default: on a loaded machine the first TLS and SCRAM handshake with the
-    # broker can take longer than 5 s, and the line must name the refusal, not a timeout.
-    # (A refused client retries until the bootstrap timeout: each error test waits it out.)
-    args = (*args, "--bootstrap-timeout-ms", "10000")
+    # Four times the default: under the suite's load the first TLS and SCRAM handshake with
+    # the broker took longer than 5 s, once longer than 10 s, and the line must name the
+    # refusal, not a timeout. (A refused client retries until the bootstrap timeout: each
+    # error test waits it out.)
+    args = (*args, "--bootstrap-timeout-ms", "20000")
     return subprocess.run([sys.executable, "-m", "ingest.cli", *args], capture_output=True,
                           text=True, timeout=180, env={**os.environ, **env})
 
