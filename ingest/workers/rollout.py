@@ -111,11 +111,11 @@ class RolloutWorker:
         self.progress = Progress()
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._step = config.first_step
-        self._in_flight: dict[int, set[str]] = defaultdict(set)  # step -> request ids
+        # step -> request id -> the request, awaited by its sample
+        self._in_flight: dict[int, dict[str, asyncio.Task[Generation]]] = defaultdict(dict)
         self._sealed: set[int] = set()
         self._cancelled: set[str] = set()
-        self._requests: dict[str, asyncio.Task[Generation]] = {}  # request id -> in flight
-        self._given_up: set[str] = set()  # aborted requests that never answered
+        self._given_up: set[str] = set()  # aborted requests in flight that never answered
         self._background: set[asyncio.Task[None]] = set()
         self.weight_version = config.weight_version
         self._serving = asyncio.Event()  # cleared from a reload's start to its end
@@ -219,29 +219,28 @@ class RolloutWorker:
         self._sealed.add(step)
         if step in self._issued:
             self.progress.kept[step] = self.config.rollout_batch_size
-        request_ids = sorted(self._in_flight.get(step, ()))
-        self._cancelled.update(request_ids)
-        log.info("step %d sealed: aborting %d requests in flight", step, len(request_ids))
-        if request_ids:
-            self._in_background(self._abort_everywhere(request_ids))
+        requests = dict(self._in_flight.get(step, {}))
+        self._cancelled.update(requests)
+        log.info("step %d sealed: aborting %d requests in flight", step, len(requests))
+        if requests:
+            self._in_background(self._abort_everywhere(requests))
 
-    async def _abort_everywhere(self, request_ids: list[str]) -> None:
+    async def _abort_everywhere(self, requests: dict[str, asyncio.Task[Generation]]) -> None:
         # A router may have sent a request to any engine and forwards no aborts.
+        request_ids = sorted(requests)
         results = await asyncio.gather(*(e.abort(request_ids) for e in self.engines),
                                        return_exceptions=True)
         for engine, result in zip(self.engines, results, strict=True):
             if isinstance(result, Exception):
                 log.warning("could not abort requests on %s: %s", engine.url, result)
-        answers = [self._requests[r] for r in request_ids if r in self._requests]
-        if answers:
-            await asyncio.wait(answers, timeout=ABORT_ANSWER_S)
-        unanswered = [r for r in request_ids if r in self._requests]
+        await asyncio.wait(requests.values(), timeout=ABORT_ANSWER_S)
+        unanswered = [r for r in request_ids if not requests[r].done()]
         if unanswered:
             log.warning("%d aborted requests did not answer within %g s; their samples are "
                         "cancelled: %s", len(unanswered), ABORT_ANSWER_S, ", ".join(unanswered))
         for request_id in unanswered:
             self._given_up.add(request_id)
-            self._requests[request_id].cancel()
+            requests[request_id].cancel()
 
     async def run(self) -> Progress:
         await self._check_engines()
@@ -350,10 +349,9 @@ class RolloutWorker:
             if step in self._sealed:
                 self._cancelled.add(request_id)  # sealed before it was sent: never send it
             else:
-                self._in_flight[step].add(request_id)
-                self.progress.in_flight += 1
-                request = self._requests[request_id] = asyncio.create_task(
+                request = self._in_flight[step][request_id] = asyncio.create_task(
                     engine.generate(prompt.tokens, self._sampling_for(sample_index), request_id))
+                self.progress.in_flight += 1
                 try:
                     generation = await request
                 except EngineError as err:
@@ -367,9 +365,9 @@ class RolloutWorker:
                     if request_id not in self._given_up or (current and current.cancelling()):
                         raise
                 finally:
-                    self._requests.pop(request_id, None)
+                    self._given_up.discard(request_id)
                     self.progress.in_flight -= 1
-                    self._in_flight[step].discard(request_id)
+                    del self._in_flight[step][request_id]
                     if self.progress.in_flight == 0:
                         async with self._answered:
                             self._answered.notify_all()
