@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,49 @@ def broker_reachable(client: Any) -> bool:
     """
     net = client._client
     return any(net.connected(broker.node_id) for broker in net.cluster.brokers())
+
+
+def broker_connections(client: Any) -> set[Any]:
+    """The open connections of a kafka-python consumer or producer, as its own connection
+    objects (held, so that a new one is never taken for an old one): a connection not
+    seen before is a (re)connection, such as to a broker that restarted.
+    """
+    return {conn for conn in client._client._manager._conns.values() if conn.connected}
+
+
+class FreezeWatch:
+    """Counts the times this process stopped running for more than `FREEZE_S`: SIGSTOP, a
+    paused container, a descheduled VM. A frozen stage cannot see a topic deleted and
+    created again meanwhile (its client's metadata still gives the old topic id), so it
+    checks its partitions once it runs again. A thread that ticks every `TICK_S` tells:
+    every thread of the process stops at once. (CPU starvation counts too; a check is
+    cheap.)"""
+
+    TICK_S = 0.1
+    FREEZE_S = 1.0
+    _lock = threading.Lock()
+    _started = False
+    count = 0
+
+    @classmethod
+    def freezes(cls) -> int:
+        """How many freezes so far; the first call starts the watch."""
+        with cls._lock:
+            if not cls._started:
+                cls._started = True
+                threading.Thread(target=cls._tick, name="freeze-watch", daemon=True).start()
+        return cls.count
+
+    @classmethod
+    def _tick(cls) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(cls.TICK_S)
+            now = time.monotonic()
+            if now - last > cls.FREEZE_S:
+                log.info("the process did not run for %.1f s", now - last)
+                cls.count += 1
+            last = now
 
 
 def topic_id(client: Any, topic: str) -> Any:

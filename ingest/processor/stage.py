@@ -19,7 +19,13 @@ from ingest.io.kafka import fetch_position, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
-from ingest.processor.health import StageHealth, broker_reachable, topic_id
+from ingest.processor.health import (
+    FreezeWatch,
+    StageHealth,
+    broker_connections,
+    broker_reachable,
+    topic_id,
+)
 from ingest.processor.run_configs import RunConfigs
 from schemas.errors import ConfigError, RolloutlakeError
 
@@ -41,6 +47,10 @@ STALL_REPORT_S = 10.0
 # and never assigned again) for this many seconds of polls: kafka-python 3.0 can leave a
 # rejoin unfinished (seen on Apache Kafka), and the stage then joins with a new consumer.
 REJOIN_AFTER_S = 30.0
+
+
+class TopicUnreadableError(RolloutlakeError):
+    """A partition that could not be read to check it (`Stage.check_continuity`)."""
 
 
 class Stage(ConsumerRebalanceListener):
@@ -68,6 +78,12 @@ class Stage(ConsumerRebalanceListener):
             self.producer.close()
             raise
         self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
+        self.connections: set[Any] = set()  # the consumer's, as of the last poll
+        self.freezes = FreezeWatch.freezes()  # as of the last poll
+        # Set by a new broker connection or a freeze of the process: the owned partitions
+        # are checked (their records held back) before more of them is handled.
+        self.unverified = False
+        self.newly_taken_over = False  # in this poll
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
         self.newly_assigned: set[TopicPartition] = set()
@@ -145,6 +161,7 @@ class Stage(ConsumerRebalanceListener):
             assigned, self.newly_assigned = self.newly_assigned, set()
             if assigned:
                 self._take_over(assigned)
+                self.newly_taken_over = True
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
                 self.caught_up, self.ends_checked = False, {}
@@ -155,6 +172,18 @@ class Stage(ConsumerRebalanceListener):
             self.last_activity = time.monotonic()
             # Records fetched before the seek come again from the new position.
             polled = {tp: r for tp, r in polled.items() if tp not in assigned}
+        # A topic recreated under a running stage (a broker restarted empty, with memory
+        # storage; a topic deleted and created again while the process was frozen) that
+        # is already longer than what was read keeps every position valid, and records
+        # of it can come before any rebalance or metadata refresh: a new broker connection
+        # or a freeze tells. (A take-over checks its partitions itself.)
+        connections, freezes = broker_connections(self.consumer), FreezeWatch.freezes()
+        if ((connections - self.connections or freezes != self.freezes) and self.owned
+                and not self.newly_taken_over):
+            self.unverified = True
+        self.connections, self.freezes, self.newly_taken_over = connections, freezes, False
+        if self.unverified:
+            polled = self._checked_partitions(polled)
         self.health.observe_join(self.joined, now)
         if self._assignment_stuck():
             self._rejoin_with_a_new_consumer(
@@ -194,6 +223,25 @@ class Stage(ConsumerRebalanceListener):
                 for tp in self.consumer.assignment() if tp.partition in self.consumed
             )
         return count
+
+    def _checked_partitions(self, polled: dict) -> dict:
+        """`polled`, once every owned partition is checked to be the one the lake read;
+        while the broker cannot answer that yet, none of it: the records are fetched again
+        after the next check."""
+        try:
+            for tp in self.consumer.assignment():
+                if tp.partition in self.owned:
+                    records = polled.get(tp)
+                    position = records[0].offset if records else fetch_position(self.consumer, tp)
+                    self.check_continuity(tp, position - 1 if position else None)
+        except (KafkaError, TopicUnreadableError) as exc:
+            log.warning("%s stage: cannot check yet that its partitions are the ones the "
+                        "lake read (%s); holding their messages back", self.health.role, exc)
+            for tp, records in polled.items():
+                self.consumer.seek(tp, records[0].offset)
+            return {}
+        self.unverified = False
+        return polled
 
     def _assignment_stuck(self) -> bool:
         assigned = {tp.partition for tp in self.consumer.assignment()}
@@ -270,7 +318,7 @@ class Stage(ConsumerRebalanceListener):
         """
         if recorded is None:
             return
-        if self.consumer.end_offsets([tp])[tp] == 0:
+        if self.consumer.end_offsets([tp], timeout_ms=int(PROBE_TIMEOUT_S * 1000))[tp] == 0:
             self._refuse(tp, f"it is empty but the lake holds it up to offset {recorded}")
         stored = self._stored_message(tp, recorded)
         probe = self.config.kafka.consumer(group_id=None, max_poll_records=1)
@@ -309,7 +357,7 @@ class Stage(ConsumerRebalanceListener):
         while time.monotonic() < deadline:
             for record in probe.poll(timeout_ms=200).get(tp, []):
                 return record
-        raise RolloutlakeError(f"{tp.topic}[{tp.partition}]@{offset} could not be read within "
+        raise TopicUnreadableError(f"{tp.topic}[{tp.partition}]@{offset} could not be read within "
                                f"{PROBE_TIMEOUT_S:g} s")
 
     def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
