@@ -80,9 +80,9 @@ class Stage(ConsumerRebalanceListener):
         self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.connections: set[Any] = set()  # the consumer's, as of the last poll
         self.freezes = FreezeWatch.freezes()  # as of the last poll
-        # Set by a new broker connection or a freeze of the process: the owned partitions
-        # are checked (their records held back) before more of them is handled.
-        self.unverified = False
+        # Why the owned partitions are checked (their records held back) before more of
+        # them is handled: a new broker connection or a freeze of the process.
+        self.unverified: str | None = None
         self.newly_taken_over = False  # in this poll
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
@@ -178,12 +178,14 @@ class Stage(ConsumerRebalanceListener):
         # of it can come before any rebalance or metadata refresh: a new broker connection
         # or a freeze tells. (A take-over checks its partitions itself.)
         connections, freezes = broker_connections(self.consumer), FreezeWatch.freezes()
-        if ((connections - self.connections or freezes != self.freezes) and self.owned
-                and not self.newly_taken_over):
-            self.unverified = True
+        if self.owned and not self.newly_taken_over:
+            if connections - self.connections:
+                self.unverified = "a new broker connection"
+            elif freezes != self.freezes:
+                self.unverified = "a freeze of the process"
         self.connections, self.freezes, self.newly_taken_over = connections, freezes, False
-        if self.unverified:
-            polled = self._checked_partitions(polled)
+        if self.unverified is not None:
+            polled = self._checked_partitions(polled, self.unverified)
         self.health.observe_join(self.joined, now)
         if self._assignment_stuck():
             self._rejoin_with_a_new_consumer(
@@ -224,23 +226,28 @@ class Stage(ConsumerRebalanceListener):
             )
         return count
 
-    def _checked_partitions(self, polled: dict) -> dict:
+    def _checked_partitions(self, polled: dict, why: str) -> dict:
         """`polled`, once every owned partition is checked to be the one the lake read;
         while the broker cannot answer that yet, none of it: the records are fetched again
         after the next check."""
+        started = time.monotonic()
+        owned = sorted((tp for tp in self.consumer.assignment() if tp.partition in self.owned),
+                       key=lambda tp: tp.partition)
         try:
-            for tp in self.consumer.assignment():
-                if tp.partition in self.owned:
-                    records = polled.get(tp)
-                    position = records[0].offset if records else fetch_position(self.consumer, tp)
-                    self.check_continuity(tp, position - 1 if position else None)
+            for tp in owned:
+                records = polled.get(tp)
+                position = records[0].offset if records else fetch_position(self.consumer, tp)
+                self.check_continuity(tp, position - 1 if position else None)
         except (KafkaError, TopicUnreadableError) as exc:
             log.warning("%s stage: cannot check yet that its partitions are the ones the "
                         "lake read (%s); holding their messages back", self.health.role, exc)
             for tp, records in polled.items():
                 self.consumer.seek(tp, records[0].offset)
             return {}
-        self.unverified = False
+        log.info("%s stage: partitions %s checked against the lake after %s (%.2f s)",
+                 self.health.role, [tp.partition for tp in owned], why,
+                 time.monotonic() - started)
+        self.unverified = None
         return polled
 
     def _assignment_stuck(self) -> bool:
@@ -260,7 +267,9 @@ class Stage(ConsumerRebalanceListener):
         self.on_partitions_revoked(assigned)
         self.consumer.close()
         self.newly_assigned, self.rebalanced, self.unowned_polls = set(), False, 0
-        self.joined = False  # not idle until the new member has its partitions
+        # Not idle until the new member has its partitions and has read them to the end:
+        # its first assignment can be empty, and the old member's reads count for nothing.
+        self.joined, self.caught_up, self.ends_checked = False, False, {}
         self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
         self.consumer = self._member()
 
