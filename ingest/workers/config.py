@@ -140,6 +140,13 @@ class WorkerConfig(BaseModel):
     """Seed of the engines' sampling: sample `i` of the run is drawn with seed
     `seed * 2**32 + i`, so the same weights give the same samples (vLLM only). Unset:
     the engine's own randomness."""
+    num_workers: int = Field(default=1, ge=1)
+    """Workers sharing this run (each with its own `--worker-index`): every round of
+    `--over-sampling-batch-size` groups is split between them, so together they issue it
+    once, also on the processor's `demand`, which each of them follows."""
+    worker_index: int = Field(default=0, ge=0)
+    """This worker's share of each round, from 0 to `--num-workers` - 1: the groups
+    whose place in the round leaves this remainder divided by `--num-workers`."""
     max_over_sampling_rounds: int = Field(default=8, ge=1)
     """Soft cap on the rounds of `--over-sampling-batch-size` groups issued for one step:
     each round beyond it logs a warning and counts in `rounds past cap`; the worker keeps
@@ -184,6 +191,17 @@ class WorkerConfig(BaseModel):
             raise ValueError(f"must be >= --rollout-batch-size ({batch}), got {value}")
         return value
 
+    @model_validator(mode="after")
+    def _a_share_of_every_round(self) -> WorkerConfig:
+        if self.worker_index >= self.num_workers:
+            raise ValueError(f"--worker-index {self.worker_index} is not below --num-workers "
+                             f"{self.num_workers}")
+        if self.num_workers > self.groups_per_step:
+            raise ValueError(f"--num-workers {self.num_workers} is more than the groups of a "
+                             f"round ({self.groups_per_step}, --over-sampling-batch-size): "
+                             "a worker would never get one")
+        return self
+
     @field_validator("seed")
     @classmethod
     def _seed_needs_vllm(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -194,6 +212,17 @@ class WorkerConfig(BaseModel):
     @property
     def groups_per_step(self) -> int:
         return self.over_sampling_batch_size or self.rollout_batch_size
+
+    @property
+    def producer_id(self) -> str:
+        """The `producer` of this worker's events: its run, and its index among several."""
+        index = f"-{self.worker_index}" if self.num_workers > 1 else ""
+        return f"worker-{self.run}{index}"
+
+    def round_share(self, first_group: int) -> list[int]:
+        """This worker's group indexes of the round that starts at `first_group`."""
+        return list(range(first_group + self.worker_index, first_group + self.groups_per_step,
+                          self.num_workers))
 
     @property
     def engine_urls(self) -> list[str]:

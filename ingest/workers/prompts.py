@@ -68,17 +68,18 @@ class DatasetPrompts:
     def __init__(self, prompts: list[Prompt]):
         self.prompts = prompts
 
-    async def take(self, step: int, first_group: int, count: int) -> list[IssuedGroup]:
+    async def take(self, step: int, group_indexes: list[int]) -> list[IssuedGroup]:
         return [IssuedGroup(g, self.prompts[g % len(self.prompts)], started=False)
-                for g in range(first_group, first_group + count)]
+                for g in group_indexes]
 
     async def aclose(self) -> None:
         pass
 
 
 class GatewayPrompts:
-    """The run's next prompt groups from `POST /v1/runs/{run}/prompts`; the gateway picks
-    the group indexes (`first_group` is ignored)."""
+    """The run's next prompt groups from `POST /v1/runs/{run}/prompts`: as many as
+    `group_indexes` asks for, numbered by the gateway (its cursor serves every worker of
+    the run)."""
 
     def __init__(self, url: str, run: str, token: str | None, tokenizer: Any,
                  n_samples: int, timeout_s: float = 60.0):
@@ -89,10 +90,11 @@ class GatewayPrompts:
         self.tokenizer = tokenizer
         self.n_samples = n_samples
 
-    async def take(self, step: int, first_group: int, count: int) -> list[IssuedGroup]:
+    async def take(self, step: int, group_indexes: list[int]) -> list[IssuedGroup]:
         path = f"/v1/runs/{self.run}/prompts"
         try:
-            answer = await self.client.post(path, params={"count": count, "step": step})
+            answer = await self.client.post(path, params={"count": len(group_indexes),
+                                                          "step": step})
         except httpx.HTTPError as err:
             raise RolloutlakeError(f"--prompts-from: no answer from {self.client.base_url}: "
                                    f"{err}") from None

@@ -123,7 +123,6 @@ class RolloutWorker:
         self._answered = asyncio.Condition()  # notified when no request is in flight
         self._reloads = asyncio.Lock()
         self._new_weights = asyncio.Condition()  # notified when weight_version rises
-        self._issued: dict[int, int] = {}  # step -> groups issued
         self._rounds: dict[int, int] = {}  # step -> rounds issued
         self._groups: dict[int, set[asyncio.Task[None]]] = defaultdict(set)  # step -> running
         self._last_heard = time.monotonic()  # last control message or finished round
@@ -147,19 +146,23 @@ class RolloutWorker:
         """The processor's need for groups of a step: issue another round while kept plus
         in-flight groups, those it has not seen yet included, cannot fill the batch."""
         step = message.step
-        if step in self._sealed or step not in self._issued:
+        if step in self._sealed or step not in self._rounds:
             return  # sealed, or a step of another worker run
         self.progress.kept[step] = message.kept
         if message.in_flight is not None and message.issued is not None:
             self.progress.decided_not_kept[step] = (message.issued - message.kept
                                                     - message.in_flight)
-        seen = self._issued[step] if message.issued is None else message.issued
-        unseen = max(0, self._issued[step] - seen)
-        if message.groups_needed - unseen > 0:
+        # The rounds this worker issued, every worker's share counted: the workers of a
+        # run follow the same demands, and one that issued fewer rounds than the others
+        # counts fewer groups unseen, so it issues the next.
+        issued = self._rounds[step] * self.config.groups_per_step
+        seen = issued if message.issued is None else message.issued
+        if message.groups_needed - max(0, issued - seen) > 0:
             self._issue_round(step)
 
     def _issue_round(self, step: int) -> None:
-        """Issue `groups_per_step` groups for `step` (Miles' over-sampling round)."""
+        """Issue this worker's share of a round of `groups_per_step` groups for `step`
+        (Miles' over-sampling round; all of it for a run's only worker)."""
         per_step = self.config.groups_per_step
         rounds = self._rounds[step] = self._rounds.get(step, 0) + 1
         if rounds == 1:
@@ -173,14 +176,13 @@ class RolloutWorker:
                 log.warning("step %d: over-sampling round %d, past --max-over-sampling-rounds "
                             "%d; the filter keeps few groups (still issuing until it seals)",
                             step, rounds, cap)
-        self._issued[step] = self._issued.get(step, 0) + per_step
-        task = asyncio.create_task(self._run_round(step, first, per_step))
+        task = asyncio.create_task(self._run_round(step, self.config.round_share(first)))
         self._groups[step].add(task)
         task.add_done_callback(self._groups[step].discard)
         task.add_done_callback(lambda _task: self._heard())
 
-    async def _run_round(self, step: int, first: int, count: int) -> None:
-        groups = await self.prompts.take(step, first, count)
+    async def _run_round(self, step: int, group_indexes: list[int]) -> None:
+        groups = await self.prompts.take(step, group_indexes)
         await asyncio.gather(*(self._run_group(step, group) for group in groups))
 
     def _in_background(self, work: Any) -> None:
@@ -217,7 +219,7 @@ class RolloutWorker:
         if step in self._sealed:
             return
         self._sealed.add(step)
-        if step in self._issued:
+        if step in self._rounds:
             self.progress.kept[step] = self.config.rollout_batch_size
         requests = dict(self._in_flight.get(step, {}))
         self._cancelled.update(requests)
@@ -301,7 +303,7 @@ class RolloutWorker:
         while True:
             for step in list(self._groups):
                 await self._groups_done(step)
-            open_steps = sorted(set(self._issued) - self._sealed)
+            open_steps = sorted(set(self._rounds) - self._sealed)
             quiet = time.monotonic() - self._last_heard
             if not open_steps or quiet >= self.config.seal_wait_s:
                 if open_steps:

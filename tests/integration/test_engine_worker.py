@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -338,6 +339,59 @@ def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals
                                                           2 * 2**32 + 1: 1}
     reasons = {groups[g]["reason"] for g in groups if g % 3}
     assert "zero_std_0.0" in reasons and reasons <= {"zero_std_0.0", "cancelled_at_seal"}
+
+
+def test_two_workers_of_one_run_issue_each_round_once_between_them(
+        engine, kafka, lake_root, tmp_path):
+    """`--num-workers 2`: each worker issues its half of every round of 4 groups (the
+    places 0, 2 and 1, 3) and both follow the processor's `demand`, so the run gets the
+    rounds one worker would issue: step 0 (batch 3; the filter keeps groups whose index
+    divides by 3) seals after 2 rounds, step 1 after 3, each group issued once. (Without
+    the shares, both would issue the same group indexes.)"""
+    run_id = "two-workers"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = []
+    for index in (0, 1):
+        command = engine_worker_command(
+            engine, kafka, run_id, dataset, "tests.support.user_rewards.spread_only_every_third_group",
+            "--n-samples-per-prompt", "2", "--rollout-batch-size", "3",
+            "--over-sampling-batch-size", "4", "--num-steps", "2", "--max-new-tokens", "4",
+            "--seal-wait-s", "120", "--num-workers", "2", "--worker-index", str(index),
+            "--dynamic-sampling-filter-path", "ingest.core.filters.reward_nonzero_std")
+        workers.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+    try:
+        for worker in workers:
+            _, err = worker.communicate(timeout=600)
+            assert worker.returncode == 0, err[-2000:]
+        processor.communicate(timeout=300)
+    finally:
+        for process in (*workers, processor):
+            if process.poll() is None:
+                process.kill()
+
+    started = [e for e in published(kafka, run_id) if e.type == "group_started"]
+    assert all(e.producer == f"worker-{run_id}-{e.group_index % 2}" for e in started)
+    issued = Counter(e.group_index for e in started)
+    assert set(issued.values()) == {1}
+    # Each step's rounds, by their first group: the first, then those of its demands.
+    rounds = {0: [0, 2**32], 1: [4, 2 * 2**32, 2 * 2**32 + 4]}
+    assert sorted(issued) == sorted(first + j for firsts in rounds.values()
+                                    for first in firsts for j in range(4))
+    assert sorted(s["step"] for s in rows(lake_root, "steps", run_id)) == [0, 1]
+    groups = by_group(lake_root, run_id)
+    kept = {g: row["batch_step"] for g, row in groups.items() if row["decision"] == "kept"}
+    assert {g for g, step in kept.items() if step == 0} == {0, 3, 2**32 + 2}
+    # Step 1's third round holds two groups the filter keeps, one of each worker's share:
+    # the first decided fills the batch.
+    step_1 = {g for g, step in kept.items() if step == 1}
+    assert len(step_1) == 3 and {6, 2 * 2**32 + 1} < step_1
+    assert step_1 - {6, 2 * 2**32 + 1} <= {2 * 2**32 + 4, 2 * 2**32 + 7}
 
 
 def test_worker_takes_its_prompt_groups_from_the_gateway(

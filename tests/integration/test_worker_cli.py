@@ -117,6 +117,11 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
      "rolloutlake worker: --n-samples-per-prompt: Input should be greater than or equal to 1"),
     (("--prompts-from", "http://127.0.0.1:1"),
      "rolloutlake worker: give exactly one of --prompt-data and --prompts-from"),
+    (("--num-workers", "2", "--worker-index", "2"),
+     "rolloutlake worker: --worker-index 2 is not below --num-workers 2"),
+    (("--rollout-batch-size", "2", "--num-workers", "3"),
+     "rolloutlake worker: --num-workers 3 is more than the groups of a round (2, "
+     "--over-sampling-batch-size): a worker would never get one"),
     (("--max-over-sampling-rounds", "0"),
      "rolloutlake worker: --max-over-sampling-rounds: Input should be greater than or equal "
      "to 1"),
