@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,25 +93,26 @@ def test_a_broker_restarted_with_new_data_is_refused_not_skipped(own_broker, tmp
     assert rows(lake, "events", "after") == []
 
 
-def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp_path):
-    lake = str(tmp_path / "lake")
-    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
-    publish(kafka, "before", RUN, group("before", 0))
-    # The group stage alone: an empty decisions topic after the restart would stop a batch
-    # stage in any case (test_durability covers its own check).
-    process = process_cli(kafka, lake, "--stages", "groups")
-    deadline = time.monotonic() + 90
-    while len(rows(lake, "events", "before")) < 3:
+def _wait_for_rows(process: subprocess.Popen, lake: str, table: str, run_id: str,
+                   count: int, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(rows(lake, table, run_id)) < count:
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.3)
 
-    # Frozen while the broker restarts and new events arrive, the processor wakes up to a
-    # topic that already holds more than it read (it must not see it empty first).
+
+def _refusal_once_the_topic_is_replaced(kafka: KafkaSettings, lake: str,
+                                        replace: Callable[[], KafkaSettings]) -> str:
+    """A running group stage reads group 0 of run "before" and is frozen; `replace()`
+    gives its events topic anew, which gets more events than it read (run "after") before
+    the stage wakes up. The one line it exits with."""
+    publish(kafka, "before", RUN, group("before", 0))
+    # The group stage alone: an empty decisions topic after a broker restart would stop a
+    # batch stage in any case (test_durability covers its own check).
+    process = process_cli(kafka, lake, "--stages", "groups")
+    _wait_for_rows(process, lake, "events", "before", 3)
     os.kill(process.pid, signal.SIGSTOP)
-    own_broker.stop()
-    own_broker.start()
-    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
-    publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
+    publish(replace(), "after", RUN, [*group("after", 0), *group("after", 1)])
     os.kill(process.pid, signal.SIGCONT)
     try:
         _, stderr = process.communicate(timeout=90)
@@ -118,49 +120,46 @@ def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp
         process.kill()
     assert process.returncode == 2, stderr
     assert "Traceback" not in stderr, stderr
+    assert rows(lake, "events", "after") == []
     [line] = only_line(stderr)
-    # The last message the lake stored, at offset 2, is another one now. (The client's
-    # metadata may still give the old topic id when the new topic's records arrive: the
-    # new broker connection is what tells.)
+    return line
+
+
+def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp_path):
+    def restart() -> KafkaSettings:
+        own_broker.stop()
+        own_broker.start()
+        return ordered_kafka(own_broker.bootstrap_servers, "live.")
+
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")
+    line = _refusal_once_the_topic_is_replaced(kafka, str(tmp_path / "lake"), restart)
+    # The last message the lake stored, at offset 2, is another one now (it must not see
+    # the topic empty first). The client's metadata may still give the old topic id when
+    # the new topic's records arrive: the new broker connection is what tells.
     assert line.startswith("rolloutlake process: live.rollout.events[0]: the topic was "
                            "recreated (its message at offset 2 is not the one the lake "
                            "stored;"), line
-    assert rows(lake, "events", "after") == []
 
 
 def test_a_topic_recreated_under_a_running_processor_is_refused(own_broker, tmp_path):
     """The topic alone is deleted and created again, while the processor is frozen."""
-    lake = str(tmp_path / "lake")
     kafka = ordered_kafka(own_broker.bootstrap_servers, "again.")
-    publish(kafka, "before", RUN, group("before", 0))
-    process = process_cli(kafka, lake, "--stages", "groups")
-    deadline = time.monotonic() + 90
-    while len(rows(lake, "events", "before")) < 3:
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.3)
 
-    os.kill(process.pid, signal.SIGSTOP)
-    admin = kafka.admin()
-    try:
-        admin.delete_topics([kafka.topics.events])
-    finally:
-        admin.close()
-    kafka.ensure_topics()
-    publish(kafka, "after", None, [*group("after", 0), *group("after", 1)])
-    time.sleep(FreezeWatch.FREEZE_S + 0.5)  # frozen for longer than a deschedule
-    os.kill(process.pid, signal.SIGCONT)
-    try:
-        _, stderr = process.communicate(timeout=90)
-    finally:
-        process.kill()
-    assert process.returncode == 2, stderr
-    assert "Traceback" not in stderr, stderr
-    [line] = only_line(stderr)
+    def recreate() -> KafkaSettings:
+        admin = kafka.admin()
+        try:
+            admin.delete_topics([kafka.topics.events])
+        finally:
+            admin.close()
+        kafka.ensure_topics()
+        time.sleep(FreezeWatch.FREEZE_S + 0.5)  # frozen for longer than a deschedule
+        return kafka
+
+    line = _refusal_once_the_topic_is_replaced(kafka, str(tmp_path / "lake"), recreate)
     # Its connections never dropped, and its metadata still gives the old topic id.
     assert line.startswith("rolloutlake process: again.rollout.events[0]: the topic was "
                            "recreated (its message at offset 2 is not the one the lake "
                            "stored;"), line
-    assert rows(lake, "events", "after") == []
 
 
 def test_a_processor_frozen_on_a_healthy_broker_goes_on(broker, tmp_path):
@@ -169,18 +168,12 @@ def test_a_processor_frozen_on_a_healthy_broker_goes_on(broker, tmp_path):
     kafka = ordered_kafka(broker.bootstrap_servers, prefix)
     publish(kafka, "r", RUN, group("r", 0))
     process = process_cli(kafka, lake, "--consumer-group", prefix + "rl")
-    deadline = time.monotonic() + 90
-    while len(rows(lake, "groups", "r")) < 1:
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.3)
-
+    _wait_for_rows(process, lake, "groups", "r", 1)
     os.kill(process.pid, signal.SIGSTOP)
     publish(kafka, "r", None, [*group("r", 1), *group("r", 2)])
     time.sleep(FreezeWatch.FREEZE_S + 0.5)
     os.kill(process.pid, signal.SIGCONT)
-    while len(rows(lake, "groups", "r")) < 3:
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.3)
+    _wait_for_rows(process, lake, "groups", "r", 3)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr

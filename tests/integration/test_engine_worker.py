@@ -295,6 +295,18 @@ def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
             abs=2e-3)
 
 
+def _eight_sums_and_a_processor(kafka, lake_root: str, tmp_path: Path
+                                ) -> tuple[Path, subprocess.Popen[str]]:
+    """A dataset of 8 sums, and a processor that ends a minute after its last event."""
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
+    processor = subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return dataset, processor
+
+
 def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals(
         engine, kafka, lake_root, tmp_path):
     """Two groups per round for a batch of two, and the DAPO filter keeps only groups
@@ -303,12 +315,7 @@ def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals
     (groups 2, 3, then 2 * 2**32 + 0, 1) keeps one in each of its first two. The worker issues them on the
     processor's `demand`."""
     run_id = "dynamic-sampling"
-    dataset = write_dataset(tmp_path / "prompts.jsonl",
-                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
-    processor = subprocess.Popen(
-        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    dataset, processor = _eight_sums_and_a_processor(kafka, lake_root, tmp_path)
     command = worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
                              "--rollout-batch-size", "2", "--over-sampling-batch-size", "2",
                              "--num-steps", "2", "--max-new-tokens", "4",
@@ -349,12 +356,7 @@ def test_two_workers_of_one_run_issue_each_round_once_between_them(
     divides by 3) seals after 2 rounds, step 1 after 3, each group issued once. (Without
     the shares, both would issue the same group indexes.)"""
     run_id = "two-workers"
-    dataset = write_dataset(tmp_path / "prompts.jsonl",
-                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
-    processor = subprocess.Popen(
-        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    dataset, processor = _eight_sums_and_a_processor(kafka, lake_root, tmp_path)
     workers = []
     for index in (0, 1):
         command = engine_worker_command(
