@@ -193,6 +193,33 @@ def wait_for_event(kafka, run_id: str, event_type: str, worker: subprocess.Popen
         consumer.close()
 
 
+def _processor(kafka, lake_root: str) -> subprocess.Popen[str]:
+    """A processor started before the worker, so it follows the stream when the worker
+    starts. Without --until-idle, which counts from its start too and so would have to
+    outlast a loaded machine's worker start: the test stops it."""
+    return subprocess.Popen(
+        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic-prefix", kafka.topic_prefix],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _stop_once_every_group_is_decided(processor: subprocess.Popen[str], kafka, lake_root: str,
+                                      run_id: str, timeout_s: float = 300) -> list:
+    """Stop the processor (SIGTERM) once the lake holds a decision for every group the
+    run's workers, which have exited, started; the run's events."""
+    events = published(kafka, run_id)
+    started = {e.group_index for e in events if e.type == "group_started"}
+    deadline = time.monotonic() + timeout_s
+    while not started <= set(by_group(lake_root, run_id)):
+        assert processor.poll() is None, processor.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "groups left undecided"
+        time.sleep(0.5)
+    processor.send_signal(signal.SIGTERM)
+    _, err = processor.communicate(timeout=120)
+    assert processor.returncode == 0, err[-2000:]
+    return events
+
+
 def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows(
         engine, kafka, lake_root, tmp_path):
     """32 groups issued for a step of 2, 4 requests at a time: the processor seals the step
@@ -202,13 +229,7 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
     run_id = "seal-cancels"
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}*{i}=", "label": str(i * i)} for i in range(8)])
-    # The processor runs first, so it is following the stream when the worker starts; its
-    # --until-idle counts from its start too, hence a wait longer than a loaded machine
-    # takes to start the worker.
-    processor = subprocess.Popen(
-        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processor = _processor(kafka, lake_root)
     worker = subprocess.Popen(
         worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "4",
                        "--rollout-batch-size", "2", "--over-sampling-batch-size", "32",
@@ -218,14 +239,11 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
         out, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err[-2000:]
         assert "worker done: 32 groups" in out
-        processor.communicate(timeout=300)
+        events = _stop_once_every_group_is_decided(processor, kafka, lake_root, run_id)
     finally:
         for process in (worker, processor):
             if process.poll() is None:
                 process.kill()
-    assert processor.returncode == 0
-
-    events = published(kafka, run_id)
     cancelled = [e for e in events if e.type == "sample_aborted"]
     assert cancelled and all(e.reason == "cancelled" for e in cancelled)
     assert len(cancelled) + sum(e.type == "sample_finished" for e in events) == 32 * 4
@@ -297,14 +315,10 @@ def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
 
 def _eight_sums_and_a_processor(kafka, lake_root: str, tmp_path: Path
                                 ) -> tuple[Path, subprocess.Popen[str]]:
-    """A dataset of 8 sums, and a processor that ends a minute after its last event."""
+    """A dataset of 8 sums, and a processor for `_stop_once_every_group_is_decided`."""
     dataset = write_dataset(tmp_path / "prompts.jsonl",
                             [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(8)])
-    processor = subprocess.Popen(
-        [*CLI, "process", "--lake", lake_root, "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic-prefix", kafka.topic_prefix, "--until-idle", "60"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return dataset, processor
+    return dataset, _processor(kafka, lake_root)
 
 
 def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals(
@@ -328,7 +342,7 @@ def test_a_filter_that_drops_most_groups_gets_more_rounds_until_every_step_seals
     try:
         out, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err[-2000:]
-        processor.communicate(timeout=300)
+        _stop_once_every_group_is_decided(processor, kafka, lake_root, run_id)
     finally:
         for process in (worker, processor):
             if process.poll() is None:
@@ -371,13 +385,13 @@ def test_two_workers_of_one_run_issue_each_round_once_between_them(
         for worker in workers:
             _, err = worker.communicate(timeout=600)
             assert worker.returncode == 0, err[-2000:]
-        processor.communicate(timeout=300)
+        events = _stop_once_every_group_is_decided(processor, kafka, lake_root, run_id)
     finally:
         for process in (*workers, processor):
             if process.poll() is None:
                 process.kill()
 
-    started = [e for e in published(kafka, run_id) if e.type == "group_started"]
+    started = [e for e in events if e.type == "group_started"]
     assert all(e.producer == f"worker-{run_id}-{e.group_index % 2}" for e in started)
     issued = Counter(e.group_index for e in started)
     assert set(issued.values()) == {1}
