@@ -431,8 +431,11 @@ class GroupStage(Stage):
             tp = TopicPartition(self.topics.events, partition)
             highwater = self.consumer.highwater(tp)
             position = self.consumer.position(tp)
-            if highwater is None or position < highwater:
+            if highwater is not None and position < highwater:
                 continue  # a backlog is still to be read: its own times count
+            # No highwater: no fetch response for it since the take-over (kafka-python 3.0
+            # on Apache Kafka can leave a fetch unanswered). Only the end offset can tell,
+            # and a partition read to it must not hold back every step.
             caught_up[tp] = position
         if not caught_up:
             return

@@ -194,8 +194,8 @@ class Stage(ConsumerRebalanceListener):
             return 0
         batch = self._new_batch()
         count = 0
-        # A broker that restarted empty under a running stage keeps its offsets valid when
-        # the new topic is long enough: only the topic id tells (where the broker has one).
+        # A topic recreated with neither a freeze nor a new connection (a live broker): its
+        # topic id tells, once the client's metadata has it (where the broker has ids).
         current_id = topic_id(self.consumer, self.topic)
         if self.topic_id is not None and current_id not in (None, self.topic_id) and polled:
             tp = next(iter(polled))

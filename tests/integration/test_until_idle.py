@@ -134,6 +134,26 @@ def test_a_consumer_that_stops_fetching_is_replaced(kafka, tmp_path, monkeypatch
 
 
 @pytest.mark.one_broker("the test stands in for the consumer's fetches itself")
+def test_a_partition_without_a_fetch_response_still_follows_the_wall_clock(kafka, tmp_path):
+    """A partition with nothing more to read follows the wall clock (less the watermark
+    lag), so it holds no step back. Its highwater comes with fetch responses; a fetch that
+    never completes (kafka-python 3.0 on Apache Kafka) leaves none, and the partition is
+    not behind, so the stall check does not replace the consumer: the clock stood still
+    and the batch stage waited on it with no word (a possible cause of a chaos run on
+    Apache Kafka whose step did not seal for 2 min). The end offset tells instead."""
+    stage = idle_group_stage(kafka, tmp_path, None)
+    try:
+        stage.consumer.highwater = lambda tp: None
+        poll_for(stage, 0.5)
+        before = {p: clock.watermark_us for p, clock in stage.clocks.items()}
+        poll_for(stage, 1.0)
+        assert len(before) == 2
+        assert all(stage.clocks[p].watermark_us > (before[p] or 0) for p in before)
+    finally:
+        stage.close()
+
+
+@pytest.mark.one_broker("the test stands in for the consumer's fetches itself")
 def test_a_group_waiting_for_a_run_config_not_read_yet_is_not_idle(kafka, tmp_path,
                                                                    monkeypatch, caplog):
     """A complete group waits for its run's `run_started`, which comes on another topic
