@@ -266,21 +266,31 @@ def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
 def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    # A filter that blocks, so Ctrl-C lands while the replay is deciding groups.
+    # A filter that says when it is called and blocks, so Ctrl-C lands while the replay
+    # is deciding groups.
+    deciding = tmp_path / "deciding"
     (tmp_path / "blocking_filter.py").write_text(
-        "import time\n\ndef keep(args, samples, **kw):\n    time.sleep(600)\n    return True\n")
-    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path)}
+        "import pathlib, time\n\ndef keep(args, samples, **kw):\n"
+        f"    pathlib.Path({str(deciding)!r}).touch()\n    time.sleep(600)\n    return True\n")
+    # PYTHONFAULTHANDLER: a replay that does not end is aborted with its threads' stacks.
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path),
+           "PYTHONFAULTHANDLER": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", simulated_lake, "--run",
          "cli-run", "--config", "filter=blocking_filter.keep"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not list(scratch.glob("replay-cli-run-*")) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while not deciding.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.1)
-    assert list(scratch.glob("replay-cli-run-*")), "the replay never started"
-    time.sleep(1)  # inside the blocking filter by now
+    assert list(scratch.glob("replay-cli-run-*"))
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, stderr = process.communicate(timeout=30)
+        pytest.fail(f"the replay did not end on Ctrl-C: {stderr[-4000:]}")
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert list(scratch.iterdir()) == []
