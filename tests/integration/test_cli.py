@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -275,10 +276,14 @@ def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path)
     # PYTHONFAULTHANDLER: a replay that does not end is aborted with its threads' stacks.
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path),
            "PYTHONFAULTHANDLER": "1"}
+    # SIGINT at its default, as in a terminal: a suite started in the background of a
+    # non-interactive shell inherits it ignored, and Python then raises no
+    # KeyboardInterrupt (the replay slept on in its filter).
     process = subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "replay", "--lake", simulated_lake, "--run",
          "cli-run", "--config", "filter=blocking_filter.keep"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not deciding.exists():
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
