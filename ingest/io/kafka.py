@@ -70,6 +70,11 @@ def subscribe_once_listed(consumer: KafkaConsumer, topic: str, listener: Any = N
     Subscribed before, the first join (immediate on Apache Kafka) assigns nothing, and the
     rebalance that follows the metadata update can complete after `poll` returned:
     kafka-python then never applies that assignment and the member waits forever.
+    Subscribed after, the coordinator still takes its snapshot of the subscribed topics'
+    partitions only from the next metadata response, which can come after the first
+    join: the member is then assigned its partitions, finds the snapshot changed and
+    rebalances at once, with the same risk. The snapshot is taken here, from the metadata
+    that listed the topic.
     """
     deadline = time.monotonic() + timeout_s
     while not consumer.partitions_for_topic(topic):
@@ -79,6 +84,7 @@ def subscribe_once_listed(consumer: KafkaConsumer, topic: str, listener: Any = N
                 f"(no partitions listed within {timeout_s:.0f} s)")
         time.sleep(0.1)
     consumer.subscribe([topic], listener=listener)
+    consumer._coordinator._handle_metadata_update(consumer._client.cluster)
 
 
 def key_partition(key: bytes, partitions: int) -> int:

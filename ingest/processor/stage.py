@@ -83,7 +83,6 @@ class Stage(ConsumerRebalanceListener):
         # Why the owned partitions are checked (their records held back) before more of
         # them is handled: a new broker connection or a freeze of the process.
         self.unverified: str | None = None
-        self.newly_taken_over = False  # in this poll
         self.last_activity = time.monotonic()
         self.joined = False  # idle only counts once the consumer group assigned partitions
         self.newly_assigned: set[TopicPartition] = set()
@@ -156,12 +155,13 @@ class Stage(ConsumerRebalanceListener):
         self.working = bool(polled)
         now = time.monotonic()
         self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)
+        taken_over = False
         if self.rebalanced:
             self.rebalanced = False
             assigned, self.newly_assigned = self.newly_assigned, set()
             if assigned:
                 self._take_over(assigned)
-                self.newly_taken_over = True
+                taken_over = True
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
                 self.caught_up, self.ends_checked = False, {}
@@ -178,12 +178,12 @@ class Stage(ConsumerRebalanceListener):
         # of it can come before any rebalance or metadata refresh: a new broker connection
         # or a freeze tells. (A take-over checks its partitions itself.)
         connections, freezes = broker_connections(self.consumer), FreezeWatch.freezes()
-        if self.owned and not self.newly_taken_over:
+        if self.owned and not taken_over:
             if connections - self.connections:
                 self.unverified = "a new broker connection"
             elif freezes != self.freezes:
                 self.unverified = "a freeze of the process"
-        self.connections, self.freezes, self.newly_taken_over = connections, freezes, False
+        self.connections, self.freezes = connections, freezes
         if self.unverified is not None:
             polled = self._checked_partitions(polled, self.unverified)
         self.health.observe_join(self.joined, now)
@@ -271,6 +271,7 @@ class Stage(ConsumerRebalanceListener):
         # its first assignment can be empty, and the old member's reads count for nothing.
         self.joined, self.caught_up, self.ends_checked = False, False, {}
         self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
+        self.health.state = "joining"  # the new member's partitions are logged once it joins
         self.consumer = self._member()
 
     def _check_caught_up(self) -> bool:
@@ -366,8 +367,8 @@ class Stage(ConsumerRebalanceListener):
         while time.monotonic() < deadline:
             for record in probe.poll(timeout_ms=200).get(tp, []):
                 return record
-        raise TopicUnreadableError(f"{tp.topic}[{tp.partition}]@{offset} could not be read within "
-                               f"{PROBE_TIMEOUT_S:g} s")
+        raise TopicUnreadableError(
+            f"{tp.topic}[{tp.partition}]@{offset} could not be read within {PROBE_TIMEOUT_S:g} s")
 
     def _stored_message(self, tp: TopicPartition, up_to: int) -> tuple[int, bytes] | None:
         """Offset and `_fingerprint` of the last message at or before `up_to` the lake

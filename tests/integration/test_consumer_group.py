@@ -26,29 +26,40 @@ from tests.integration.pipeline import (
 
 
 @pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
-def test_the_first_assignment_holds_every_partition_of_a_new_topic(kafka, lake_root,
-                                                                   stage_class):
-    """A first join that assigns nothing is followed by a rebalance kafka-python can lose
-    (it completes after `poll` returned), leaving the stage without partitions forever."""
+def test_a_new_member_is_assigned_every_partition_once_and_keeps_them(kafka, lake_root,
+                                                                      stage_class):
+    """A first join that assigns nothing, or one made before the member's coordinator saw
+    the topic's metadata (it then rebalances again as soon as that metadata arrives), is
+    followed by a rebalance kafka-python can lose (it completes after `poll` returned),
+    leaving the stage without its partitions until it rejoins."""
     lake = Lake(lake_root)
     for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
                   "dead_letters"):
         lake.ensure(table)
     stage = stage_class(ProcessorConfig(kafka=kafka, lake=lake_root), lake)
     assignments: list[set[int]] = []
-    note = stage.on_partitions_assigned
+    revocations: list[set[int]] = []
+    assign, revoke = stage.on_partitions_assigned, stage.on_partitions_revoked
     stage.on_partitions_assigned = lambda assigned: (
-        assignments.append({tp.partition for tp in assigned}), note(assigned))
+        assignments.append({tp.partition for tp in assigned}), assign(assigned))
+    stage.on_partitions_revoked = lambda revoked: (
+        revocations.append({tp.partition for tp in revoked}), revoke(revoked))
     try:
         deadline = time.monotonic() + 60
         while not stage.joined and time.monotonic() < deadline:
             stage.poll_once()
+        # the metadata refresh that follows a subscription comes within a few polls
+        settled = time.monotonic() + 3
+        while stage.joined and time.monotonic() < settled:
+            stage.poll_once()
+        revoked_while_running = [r for r in revocations if r]
     finally:
         stage.close()
     topic = stage.topics.events if stage_class is GroupStage else stage.topics.decisions
     partitions = kafka.event_partitions if stage_class is GroupStage else kafka.decision_partitions
     assert stage.joined, f"no partitions of {topic} assigned within 60 s: {assignments}"
-    assert assignments[0] == set(range(partitions))
+    assert assignments == [set(range(partitions))]
+    assert revoked_while_running == []
 
 
 def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
