@@ -136,6 +136,12 @@ def sglang_weights_body(path: str, weight_version: int) -> dict[str, Any]:
 
 # -- the interface and its HTTP shells ---------------------------------------------------
 
+# Both engines serve through uvicorn, which closes a connection idle for 5 s (its
+# timeout_keep_alive). httpx keeps idle connections as long by default, so a request sent
+# on one as the server closes it fails with ReadError; dropping them sooner avoids that.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class Engine(ABC):
     """One engine server at `url`; every call raises `EngineError` when it fails."""
 
@@ -143,7 +149,10 @@ class Engine(ABC):
 
     def __init__(self, url: str, *, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout_s)
+        self._client = httpx.AsyncClient(  # httpx's default pool sizes, a shorter expiry
+            base_url=self.url, timeout=timeout_s,
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     @abstractmethod
     async def generate(self, prompt_tokens: list[int], sampling: Sampling,
