@@ -10,6 +10,7 @@ callers send those to every engine themselves.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any, Literal
 import httpx
 
 from schemas.errors import RolloutlakeError
+
+log = logging.getLogger(__name__)
 
 FinishStatus = Literal["completed", "truncated", "aborted"]
 EngineKind = Literal["vllm", "sglang"]
@@ -177,7 +180,16 @@ class Engine(ABC):
     async def _post(self, path: str, body: dict[str, Any] | None = None, *,
                     params: dict[str, str] | None = None) -> httpx.Response:
         try:
-            response = await self._client.post(path, json=body, params=params)
+            try:
+                response = await self._client.post(path, json=body, params=params)
+            except (httpx.ReadError, httpx.RemoteProtocolError) as err:
+                # Closed without an answer: most often a pooled connection the engine was
+                # closing as the request went out, which it then never read (seen under
+                # load, where a frozen client outlives the server's keep-alive). Once
+                # more, on a new connection; an engine that is gone fails that one too.
+                log.info("%s at %s%s closed the connection without answering (%s: %s); "
+                         "sending it again", self.name, self.url, path, type(err).__name__, err)
+                response = await self._client.post(path, json=body, params=params)
         except httpx.HTTPError as err:
             raise EngineError(f"{self.name} at {self.url}{path}: {type(err).__name__}: {err}"
                               ) from None

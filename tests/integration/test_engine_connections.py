@@ -14,7 +14,14 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from ingest.io.broker import free_port
-from ingest.workers.engines import KEEPALIVE_EXPIRY_S, SGLangEngine, VLLMEngine
+from ingest.workers.engines import (
+    KEEPALIVE_EXPIRY_S,
+    EngineError,
+    Generation,
+    Sampling,
+    SGLangEngine,
+    VLLMEngine,
+)
 
 UVICORN_KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive, which both engines keep
 
@@ -62,3 +69,59 @@ def test_an_idle_connection_is_dropped_before_the_engine_may_close_it():
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+class ClosingServer:
+    """An HTTP/1.1 peer on loopback that reads each request and, for the first
+    `closes` connections, closes it without an answer; later ones get a vLLM completion."""
+
+    ANSWER = (b'{"choices": [{"text": "", "finish_reason": "stop", "logprobs": {'
+              b'"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}]}')
+
+    def __init__(self, closes: int):
+        self.closes = closes
+        self.requests = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        self.requests += 1
+        if self.requests <= self.closes:
+            writer.close()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(self.ANSWER), self.ANSWER))
+        await writer.drain()
+        writer.close()
+
+
+async def _generate_against(peer: ClosingServer) -> object:
+    server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = VLLMEngine(f"http://127.0.0.1:{port}")
+    try:
+        return await engine.generate([1, 2], Sampling(max_new_tokens=4), "r0")
+    except EngineError as err:
+        return err
+    finally:
+        await engine.aclose()
+        server.close()
+
+
+def test_a_request_the_engine_closed_without_answering_is_sent_once_more():
+    peer = ClosingServer(closes=1)
+    generation = asyncio.run(_generate_against(peer))
+    assert isinstance(generation, Generation), generation
+    assert (generation.tokens, peer.requests) == ([7], 2)
+
+
+def test_an_engine_that_closes_again_is_an_engine_error_after_the_second_try():
+    peer = ClosingServer(closes=2)
+    error = asyncio.run(_generate_against(peer))
+    assert isinstance(error, EngineError)
+    assert str(error).startswith("vLLM at http://127.0.0.1:") and \
+        "/v1/completions: RemoteProtocolError: Server disconnected without sending a response" \
+        in str(error), str(error)
+    assert peer.requests == 2
