@@ -27,7 +27,7 @@ from ingest.processor.health import (
     topic_id,
 )
 from ingest.processor.run_configs import RunConfigs
-from schemas.errors import ConfigError, RolloutlakeError
+from schemas.errors import BrokerUnavailableError, ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 10.0
@@ -238,7 +238,9 @@ class Stage(ConsumerRebalanceListener):
                 records = polled.get(tp)
                 position = records[0].offset if records else fetch_position(self.consumer, tp)
                 self.check_continuity(tp, position - 1 if position else None)
-        except (KafkaError, TopicUnreadableError) as exc:
+        # A probe consumer that cannot bootstrap in time (a starved machine) is an outage
+        # of the moment like the others, not a reason to stop.
+        except (KafkaError, TopicUnreadableError, BrokerUnavailableError) as exc:
             log.warning("%s stage: cannot check yet that its partitions are the ones the "
                         "lake read (%s); holding their messages back", self.health.role, exc)
             for tp, records in polled.items():

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from ingest.io.broker import free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
@@ -90,3 +91,43 @@ def test_a_stuck_deployment_under_another_topic_prefix_does_not_hold_up_this_one
     finally:
         stuck.close()
     assert [r["decision"] for r in rows(lake, "groups", run)] == ["kept"]
+
+
+def test_a_check_whose_probe_cannot_reach_the_broker_holds_the_records_back(kafka, lake_root):
+    """After a freeze a stage checks its partitions with a probe consumer of its own. On a
+    starved machine that probe's bootstrap can time out while the stage's consumer reads
+    on (CI: the processor exited 2, "no Kafka broker answers"): the records wait for the
+    next check instead."""
+    run = "probe"
+    lake = Lake(lake_root)
+    for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
+                  "dead_letters"):
+        lake.ensure(table)
+    config = ProcessorConfig(kafka=kafka, lake=lake_root)
+    stage = GroupStage(config, lake)
+    archived = lambda: sum(r["type"] != "run_started"  # noqa: E731
+                           for r in rows(lake_root, "events", run))
+    try:
+        publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
+                [event("group_started", run, group_index=0, step=0, n_samples=2)])
+        deadline = time.monotonic() + 60
+        while archived() < 1:
+            assert time.monotonic() < deadline, "the first event was not archived"
+            stage.poll_once()
+        publish(kafka, run, None, [sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)])
+        unreachable = kafka.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}",
+                                               "bootstrap_timeout_ms": 300})
+        stage.config = config.model_copy(update={"kafka": unreachable})
+        stage.unverified = "a freeze of the process"
+        held_until = time.monotonic() + 3
+        while time.monotonic() < held_until:
+            stage.poll_once()
+        assert archived() == 1, "records were let through unchecked"
+        stage.config = config
+        deadline = time.monotonic() + 60
+        while archived() < 3:
+            assert time.monotonic() < deadline, "the held records were not read again"
+            stage.poll_once()
+        assert stage.unverified is None
+    finally:
+        stage.close()
