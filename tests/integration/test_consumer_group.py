@@ -26,6 +26,14 @@ from tests.integration.pipeline import (
 )
 
 
+def _lake_with_every_table(lake_root: str) -> Lake:
+    lake = Lake(lake_root)
+    for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
+                  "dead_letters"):
+        lake.ensure(table)
+    return lake
+
+
 @pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
 def test_a_new_member_is_assigned_every_partition_once_and_keeps_them(kafka, lake_root,
                                                                       stage_class):
@@ -33,10 +41,7 @@ def test_a_new_member_is_assigned_every_partition_once_and_keeps_them(kafka, lak
     the topic's metadata (it then rebalances again as soon as that metadata arrives), is
     followed by a rebalance kafka-python can lose (it completes after `poll` returned),
     leaving the stage without its partitions until it rejoins."""
-    lake = Lake(lake_root)
-    for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
-                  "dead_letters"):
-        lake.ensure(table)
+    lake = _lake_with_every_table(lake_root)
     stage = stage_class(ProcessorConfig(kafka=kafka, lake=lake_root), lake)
     assignments: list[set[int]] = []
     revocations: list[set[int]] = []
@@ -99,10 +104,7 @@ def test_a_check_whose_probe_cannot_reach_the_broker_holds_the_records_back(kafk
     on (CI: the processor exited 2, "no Kafka broker answers"): the records wait for the
     next check instead."""
     run = "probe"
-    lake = Lake(lake_root)
-    for table in ("events", "groups", "samples", "training_batches", "steps", "step_metrics",
-                  "dead_letters"):
-        lake.ensure(table)
+    lake = _lake_with_every_table(lake_root)
     config = ProcessorConfig(kafka=kafka, lake=lake_root)
     stage = GroupStage(config, lake)
     archived = lambda: sum(r["type"] != "run_started"  # noqa: E731
