@@ -410,3 +410,31 @@ BATCH_STATE = TableSpec(
     blob_columns=("state",),
 )
 TABLES[BATCH_STATE.name] = BATCH_STATE
+
+# Appended by the gateway when a worker recycles a group in partial rollout (before the
+# prompt-cursor checkpoint that queues the group): what each of its samples had generated,
+# so the group's next serve continues them, also after a restart of worker or gateway.
+# A retried recycle may append a group's rows again; readers keep one row per key.
+RECYCLED_SAMPLES = TableSpec(
+    "recycled_samples",
+    pa.schema(
+        [
+            _f("run_id", pa.string(), False),
+            _f("group_index", pa.int64(), False),  # the recycled group
+            _f("rollout_id", pa.int64(), False),
+            _f("status", pa.string(), False),  # completed, truncated, or aborted (partial)
+            _f("response_tokens", pa.list_(pa.int32()), False),
+            _f("rollout_log_probs", pa.list_(pa.float64()), False),
+            _f("loss_mask", pa.list_(pa.int8()), False),
+            # The weight version that generated each run of tokens, in order.
+            _f("segment_tokens", pa.list_(pa.int64()), False),
+            _f("segment_versions", pa.list_(pa.int64()), False),
+            _f("start_rollout_id", pa.int64(), False),  # the step that first generated it
+            _f("recycled_at", UTC_MICROS, False),
+        ]
+    ),
+    key=("run_id", "group_index", "rollout_id"),
+    partition_by=("run_id",),
+    blob_columns=("response_tokens", "rollout_log_probs"),
+)
+TABLES[RECYCLED_SAMPLES.name] = RECYCLED_SAMPLES

@@ -1,18 +1,20 @@
 """The Delta checkpoints of the prompt cursors: `prompt_cursor` (one row per checkpoint,
 with the groups issued since the previous one) and `prompt_cursor_wal` (where on the
-events topic the roll-forward after each checkpoint starts)."""
+events topic the roll-forward after each checkpoint starts); and `recycled_samples`, the
+partial rollouts of recycled groups."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from gateway.prompts.cursor import Cursor
 from ingest.io.lake import Lake, TxnMark
-from schemas.tables import PROMPT_CURSOR, PROMPT_CURSOR_WAL
+from schemas.tables import PROMPT_CURSOR, PROMPT_CURSOR_WAL, RECYCLED_SAMPLES
 
 
 class CursorCheckpoints:
@@ -75,3 +77,36 @@ class CursorCheckpoints:
 
     def _rows(self, run_id: str) -> pa.Table:
         return self.lake.read(PROMPT_CURSOR.name, filter=pc.field("run_id") == run_id)
+
+
+class RecycledSamples:
+    """The `recycled_samples` rows of every run: `RecycledSample` dicts in, the same out."""
+
+    def __init__(self, lake: Lake):
+        self.lake = lake
+
+    def write(self, run_id: str, samples: list[dict[str, Any]]) -> None:
+        now = datetime.now(UTC)
+        rows = [{**{k: v for k, v in s.items() if k != "segments"}, "run_id": run_id,
+                 "segment_tokens": [seg["tokens"] for seg in s["segments"]],
+                 "segment_versions": [seg["weight_version"] for seg in s["segments"]],
+                 "recycled_at": now} for s in samples]
+        self.lake.append(RECYCLED_SAMPLES.name,
+                         pa.Table.from_pylist(rows, schema=RECYCLED_SAMPLES.schema))
+
+    def read(self, run_id: str, groups: tuple[int, ...]) -> dict[int, list[dict[str, Any]]]:
+        """group -> its samples, for the `groups` given, one per rollout (the last written)."""
+        if not groups or not self.lake.exists(RECYCLED_SAMPLES.name):
+            return {}
+        table = self.lake.read(RECYCLED_SAMPLES.name, filter=(pc.field("run_id") == run_id)
+                               & pc.field("group_index").isin(list(groups)))
+        latest: dict[tuple[int, int], dict[str, Any]] = {}
+        for row in table.sort_by("recycled_at").to_pylist():
+            segments = [{"tokens": n, "weight_version": v} for n, v in
+                        zip(row.pop("segment_tokens"), row.pop("segment_versions"), strict=True)]
+            del row["run_id"], row["recycled_at"]
+            latest[(row["group_index"], row["rollout_id"])] = {**row, "segments": segments}
+        out: dict[int, list[dict[str, Any]]] = {}
+        for (group, _), sample in sorted(latest.items()):
+            out.setdefault(group, []).append(sample)
+        return out

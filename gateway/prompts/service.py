@@ -21,6 +21,10 @@ write-ahead log; the Delta table `prompt_cursor` is a checkpoint of it.
   `prompt_checkpoint_interval_s` seconds, and once more at graceful shutdown. Recycling
   and a run's first serve (which pins the dataset version and seed) checkpoint
   synchronously, because the log does not record them.
+- Partial rollout: a recycle may carry what the groups' samples had generated; those
+  rows are appended to `recycled_samples` before the checkpoint that queues the groups,
+  kept in memory while the groups wait, reloaded by a restore, and handed out with each
+  group's next serve.
 - Restore (first use of a run in a process): load the last checkpoint, read the run's
   `group_started` events after it, and replay `take` up to the first index missing from
   the log. Groups past such a gap belong to a failed batch that nobody received; they are
@@ -45,7 +49,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.datasets import DATASET_NAME, DatasetStore
 from gateway.producer import GatewayProducer
-from gateway.prompts.checkpoints import CursorCheckpoints
+from gateway.prompts.checkpoints import CursorCheckpoints, RecycledSamples
 from gateway.prompts.cursor import Cursor, Issued, roll_forward, take
 from gateway.prompts.wal import read_group_log
 from gateway.runs import RunInfo, RunRegistry
@@ -108,6 +112,7 @@ class _Request:
     count: int = 0
     step: int | None = None
     groups: list[int] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +121,7 @@ class _Prepared:
     records: list[Record]
     answers: list[tuple[_Request, list[dict[str, Any]]]]
     issued: list[tuple[int, int]]
+    resumed: list[int]  # recycled groups served again: their samples are handed out
 
 
 @dataclass
@@ -135,6 +141,8 @@ class _RunState:
     recent_rows: dict[int, int] = field(default_factory=dict)  # group -> row, since restore
     past_rows: dict[int, int] | None = None  # group -> row of checkpointed groups (lazy)
     wal_offsets: dict[int, int] = field(default_factory=dict)  # partition -> scan start
+    # recycled group waiting to be served again -> its samples' partial rollouts
+    recycled: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     fenced: bool = False  # another writer moved the cursor: reload before serving
     info: _Cached | None = None
     steps: _Cached | None = None
@@ -151,6 +159,7 @@ class PromptService:
         self.runs = runs
         self.producer = producer
         self.checkpoints = CursorCheckpoints(lake, producer.topics.events)
+        self.recycled_samples = RecycledSamples(lake)
         self.checkpoint_groups = checkpoint_groups
         self.checkpoint_interval_s = checkpoint_interval_s
         self._states: dict[str, _RunState] = {}
@@ -164,9 +173,12 @@ class PromptService:
     async def serve(self, run_id: str, count: int, step: int | None) -> dict[str, Any]:
         return await self._submit(run_id, "serve", count=count, step=step)
 
-    async def recycle(self, run_id: str, group_indices: list[int]) -> dict[str, Any]:
-        """Append issued groups to the recycle FIFO; durable (a checkpoint) before it returns."""
-        return await self._submit(run_id, "recycle", groups=group_indices)
+    async def recycle(self, run_id: str, group_indices: list[int],
+                      samples: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Append issued groups to the recycle FIFO, with their samples' partial rollouts
+        (`RecycledSample`s); durable (a checkpoint) before it returns."""
+        return await self._submit(run_id, "recycle", groups=group_indices,
+                                  samples=samples or [])
 
     async def cursor(self, run_id: str) -> dict[str, Any]:
         return await self._submit(run_id, "cursor")
@@ -233,7 +245,8 @@ class PromptService:
                             await self._serve_batch(run_id, state, batch)
                         elif batch[0].kind == "recycle":
                             _answer(batch[0], await run_in_threadpool(
-                                self._recycle, run_id, state, batch[0].groups))
+                                self._recycle, run_id, state, batch[0].groups,
+                                batch[0].samples))
                         else:
                             _answer(batch[0], await self._cursor_answer(run_id, state))
                     except Exception as err:  # every waiter of the batch gets the failure
@@ -267,6 +280,8 @@ class PromptService:
                     state.wal_offsets[ack.partition] = ack.offset + 1
             state.unsaved.extend(prepared.issued)
             state.recent_rows.update(prepared.issued)
+            for origin in prepared.resumed:
+                state.recycled.pop(origin, None)
             described = state.cursor.describe()
         for request, out in prepared.answers:
             _answer(request, {"run_id": run_id, "groups": out, "cursor": described})
@@ -283,7 +298,8 @@ class PromptService:
         assert state.cursor is not None
         return state.cursor.describe()
 
-    def _recycle(self, run_id: str, state: _RunState, group_indices: list[int]) -> dict[str, Any]:
+    def _recycle(self, run_id: str, state: _RunState, group_indices: list[int],
+                 samples: list[dict[str, Any]]) -> dict[str, Any]:
         with state.checkpoint_lock, state.lock:
             cursor = self._current(run_id, state)
             known = self._issued_rows(run_id, state)
@@ -292,10 +308,15 @@ class PromptService:
                 raise NotFoundError(f"groups {unknown[:10]} of run {run_id!r} were not issued "
                                     "by this gateway, so they cannot be recycled")
             fresh = [g for g in dict.fromkeys(group_indices) if g not in cursor.recycle_groups]
+            kept = [s for s in samples if s["group_index"] in fresh]
+            if kept:  # before the checkpoint: a queued group always finds its samples
+                self.recycled_samples.write(run_id, kept)
             after = replace(cursor,
                             recycle_rows=cursor.recycle_rows + tuple(known[g] for g in fresh),
                             recycle_groups=cursor.recycle_groups + tuple(fresh))
             self._save(run_id, state, after)
+            for sample in kept:
+                state.recycled.setdefault(sample["group_index"], []).append(sample)
             assert state.cursor is not None
             return {"run_id": run_id, "cursor": state.cursor.describe()}
 
@@ -357,10 +378,14 @@ class PromptService:
                     "producer": "gateway", **group,
                 })
                 records.append(event_record(event, self.producer.topics))
-                out.append({**group, "epoch": item.epoch, "recycled_from": item.recycled_from})
+                out.append({**group, "epoch": item.epoch, "recycled_from": item.recycled_from,
+                            "samples": state.recycled.get(item.recycled_from, [])
+                            if item.recycled_from is not None else []})
             answers.append((request, out))
         issued_all = [(i.group_index, i.row) for _, issued, _ in served for i in issued]
-        return _Prepared(cursor, records, answers, issued_all)
+        resumed = [i.recycled_from for _, issued, _ in served for i in issued
+                   if i.recycled_from is not None]
+        return _Prepared(cursor, records, answers, issued_all, resumed)
 
     # -- restore -------------------------------------------------------------------------
 
@@ -396,6 +421,7 @@ class PromptService:
         state.past_rows = None
         state.wal_offsets = {p: max(offsets.get(p, 0), seen.get(p, 0))
                              for p in offsets.keys() | seen.keys()}
+        state.recycled = self.recycled_samples.read(run_id, cursor.recycle_groups)
         if issued:
             log.info("run %s: rolled the prompt cursor forward by %d groups from checkpoint "
                      "%s to group %d", run_id, len(issued), saved.seq if saved else None,
@@ -481,7 +507,7 @@ def _answer(request: _Request, result: dict[str, Any]) -> None:
 
 def _forget(state: _RunState) -> None:
     state.cursor = state.saved = state.past_rows = state.rows = None
-    state.unsaved, state.recent_rows, state.wal_offsets = [], {}, {}
+    state.unsaved, state.recent_rows, state.wal_offsets, state.recycled = [], {}, {}, {}
     state.fenced = False
 
 

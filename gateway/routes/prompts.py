@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.deps import INT64_MAX, ConfigDep, MetricsDep, PromptsDep, ReadRun, RunIdPath, WriteRun
 from gateway.errors import ApiError
@@ -29,6 +29,50 @@ class PromptCursor(BaseModel):
     seq: int
 
 
+INT32_MAX = 2**31 - 1
+NonNegative = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class Segment(BaseModel):
+    """A run of response tokens generated under one weight version."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    weight_version: NonNegative
+
+
+class RecycledSample(BaseModel):
+    """What one sample of a recycled group had generated (partial rollout): served back
+    with the group's next serve so that the sample continues from it."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_index: NonNegative
+    """The recycled group (one of `group_indices`)."""
+    rollout_id: NonNegative
+    status: Literal["completed", "truncated", "aborted"]
+    """`completed`/`truncated`: finished, served back as it is; `aborted`: continues."""
+    response_tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    rollout_log_probs: list[Annotated[float, Field(allow_inf_nan=False)]]
+    loss_mask: list[Literal[0, 1]]
+    segments: list[Segment]
+    """The weight versions that generated `response_tokens`, in order; their `tokens`
+    add up to its length."""
+    start_rollout_id: NonNegative
+    """The step that first generated the sample (Miles `metadata["start_rollout_id"]`)."""
+
+    @model_validator(mode="after")
+    def _per_token_lengths_match(self) -> RecycledSample:
+        n = len(self.response_tokens)
+        for name in ("rollout_log_probs", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries but "
+                                 f"response_tokens has {n}")
+        if sum(s.tokens for s in self.segments) != n:
+            raise ValueError(f"segments cover {sum(s.tokens for s in self.segments)} tokens "
+                             f"but response_tokens has {n}")
+        return self
+
+
 class PromptGroup(BaseModel):
     group_index: int
     step: int
@@ -41,6 +85,8 @@ class PromptGroup(BaseModel):
     """The epoch it was drawn from; null for a recycled group."""
     recycled_from: int | None
     """The group it re-serves, for a recycled group."""
+    samples: list[RecycledSample] = []
+    """For a recycled group: what its samples had generated when it was recycled."""
 
 
 class PromptBatch(BaseModel):
@@ -51,7 +97,23 @@ class PromptBatch(BaseModel):
 
 class RecycleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    group_indices: Annotated[list[Annotated[int, Field(ge=0, le=INT64_MAX)]], Field(min_length=1)]
+    group_indices: Annotated[list[NonNegative], Field(min_length=1)]
+    samples: list[RecycledSample] = []
+    """Partial rollout: what the groups' samples had generated, at most one entry per
+    (group, rollout); stored with the recycle and served back with each group."""
+
+    @model_validator(mode="after")
+    def _samples_of_these_groups(self) -> RecycleRequest:
+        groups = set(self.group_indices)
+        seen: set[tuple[int, int]] = set()
+        for sample in self.samples:
+            key = (sample.group_index, sample.rollout_id)
+            if sample.group_index not in groups:
+                raise ValueError(f"samples: group {sample.group_index} is not in group_indices")
+            if key in seen:
+                raise ValueError(f"samples: group {key[0]} rollout {key[1]} is given twice")
+            seen.add(key)
+        return self
 
 
 class RecycleResult(BaseModel):
@@ -98,9 +160,11 @@ async def serve_prompts(
 async def recycle_prompts(run_id: RunIdPath, body: RecycleRequest, _: WriteRun,
                           prompts: PromptsDep) -> RecycleResult:
     """Put issued groups back (partial rollout): their prompts are served again first, as
-    new groups, before the dataset continues. Checkpointed to Delta before the answer."""
-    return RecycleResult.model_validate(
-        await prompts.recycle(run_id, body.group_indices))
+    new groups, before the dataset continues, each with the `samples` given for it.
+    Stored and checkpointed to Delta before the answer; recycling a group that waits to
+    be served again changes nothing."""
+    return RecycleResult.model_validate(await prompts.recycle(
+        run_id, body.group_indices, [s.model_dump() for s in body.samples]))
 
 
 @router.get("/v1/runs/{run_id}/prompts/cursor", responses=errors(

@@ -156,6 +156,15 @@ class WorkerConfig(BaseModel):
     issuing more groups on the processor's `demand`; it exits once every step it issued
     is sealed, or when for this many seconds no control message of the run came and no
     round of its groups ended."""
+    partial_rollout: bool = False
+    """Miles `--partial-rollout`: at a seal, a group whose samples were cancelled is
+    recycled at the gateway with what its samples had generated (durable before their
+    `sample_aborted`), served again first, and each partial sample continues from its
+    tokens with the rest of `--max-new-tokens`. Needs `--prompts-from`."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Miles `--mask-offpolicy-in-partial-rollout`: a continued sample's tokens generated
+    under older weights than the ones that finish it get loss mask 0. Needs
+    `--partial-rollout`."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)
@@ -165,6 +174,15 @@ class WorkerConfig(BaseModel):
     def _one_prompt_source(self) -> WorkerConfig:
         if (self.prompt_data is None) == (self.prompts_from is None):
             raise ValueError("give exactly one of --prompt-data and --prompts-from")
+        return self
+
+    @model_validator(mode="after")
+    def _partial_rollout_needs_the_gateway(self) -> WorkerConfig:
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+        if self.partial_rollout and self.prompts_from is None:
+            raise ValueError("--partial-rollout needs --prompts-from: the gateway keeps the "
+                             "recycled samples durable")
         return self
 
     def gateway_token(self) -> str | None:
@@ -237,5 +255,6 @@ class WorkerConfig(BaseModel):
             "dynamic_sampling_filter_path": self.dynamic_sampling_filter_path,
             "reward_key": self.reward_key,
             "std_normalization": self.std_normalization,
+            "partial_rollout": self.partial_rollout,
             **({} if self.max_staleness is None else {"max_staleness": self.max_staleness}),
         }

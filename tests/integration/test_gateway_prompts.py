@@ -264,3 +264,73 @@ def test_many_concurrent_consumers_with_background_checkpoints(kafka, lake_root,
         after = client.get(f"/v1/runs/{run_id}/prompts/cursor").json()
         assert {**after, "seq": 0} == {**cursor, "seq": 0}
         assert [g["group_index"] for g in _serve(client, run_id, 2)] == [total, total + 1]
+
+
+def _partial(group, rollout, status, tokens, versions=(0,), start=0):
+    """A `RecycledSample` whose `tokens` came from `versions`, one run each (the last gets
+    the rest)."""
+    runs = [1] * (len(versions) - 1)
+    runs.append(len(tokens) - sum(runs))
+    return {"group_index": group, "rollout_id": rollout, "status": status,
+            "response_tokens": tokens, "rollout_log_probs": [-0.1 * (i + 1) / 3 for i in tokens],
+            "loss_mask": [1] * len(tokens),
+            "segments": [{"tokens": n, "weight_version": v} for n, v in zip(runs, versions, strict=True)],
+            "start_rollout_id": start}
+
+
+def test_recycled_samples_survive_a_sigkill_and_come_back_once_with_their_group(
+        kafka, lake_root, tmp_path):
+    """Partial rollout at the gateway: a recycle carries what the groups' samples had
+    generated; after a kill -9 the restarted gateway serves each recycled group once,
+    with exactly those samples (a recycle repeated while the group waits adds nothing)."""
+    config = gateway_config(kafka, lake_root, tmp_path / "state", max_prompts_per_request=64,
+                            prompt_checkpoint_groups=1_000_000, prompt_checkpoint_interval_s=3600)
+    one = [_partial(1, 0, "completed", [5, 6, 7]), _partial(1, 1, "aborted", [8, 9], (0, 2), 1)]
+    two = [_partial(2, 0, "aborted", []), _partial(2, 1, "truncated", [3] * 40, (1,), 2)]
+    with GatewayProcess(config, tmp_path / "gw1.json") as gw, gw.client() as client:
+        run_id = _start(client)
+        _serve(client, run_id, 3)
+        url = f"/v1/runs/{run_id}/prompts/recycle"
+        assert client.post(url, json={"group_indices": [1], "samples": one}).status_code == 200
+        assert client.post(url, json={"group_indices": [2, 1],
+                                      "samples": two + one[:1]}).status_code == 200
+        gw.kill()
+    config = config.model_copy(update={"port": free_port()})
+    with GatewayProcess(config, tmp_path / "gw2.json") as gw, gw.client() as client:
+        served = _serve(client, run_id, 3)
+        assert [g["recycled_from"] for g in served] == [1, 2, None]
+        assert served[0]["samples"] == one and served[1]["samples"] == two
+        assert served[2]["samples"] == []
+        gw.kill()
+    with GatewayProcess(config, tmp_path / "gw3.json") as gw, gw.client() as client:
+        later = _serve(client, run_id, 2)
+    assert [g["recycled_from"] for g in later] == [None, None]
+    assert [g["group_index"] for g in later] == [6, 7]
+
+
+BAD_SAMPLES = [
+    ([_partial(0, 0, "aborted", [1, 2])], "group 0 is not in group_indices"),
+    ([_partial(1, 0, "aborted", [1]), _partial(1, 0, "aborted", [2])],
+     "group 1 rollout 0 is given twice"),
+    ([{**_partial(1, 0, "aborted", [1, 2]), "loss_mask": [1]}],
+     "loss_mask has 1 entries but response_tokens has 2"),
+    ([{**_partial(1, 0, "aborted", [1, 2]), "rollout_log_probs": [0.0]}],
+     "rollout_log_probs has 1 entries but response_tokens has 2"),
+    ([{**_partial(1, 0, "aborted", [1, 2]), "segments": [{"tokens": 1, "weight_version": 0}]}],
+     "segments cover 1 tokens but response_tokens has 2"),
+    ([{**_partial(1, 0, "aborted", [1]), "response_tokens": [-1]}], "response_tokens"),
+    ([{**_partial(1, 0, "aborted", [1]), "loss_mask": [2]}], "loss_mask"),
+    ([{**_partial(1, 0, "sealed", [1])}], "status"),
+]
+
+
+def test_a_recycle_with_bad_samples_is_a_422_naming_the_field_and_changes_nothing(config):
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client)
+        _serve(client, run_id, 2)
+        for samples, expected in BAD_SAMPLES:
+            refused = client.post(f"/v1/runs/{run_id}/prompts/recycle",
+                                  json={"group_indices": [1], "samples": samples})
+            assert refused.status_code == 422 and expected in str(refused.json()), refused.text
+        cursor = client.get(f"/v1/runs/{run_id}/prompts/cursor").json()
+    assert cursor["recycle_groups"] == []

@@ -122,6 +122,11 @@ def test_worker_without_an_engine_names_the_url(kafka, worker_inputs):
     (("--rollout-batch-size", "2", "--num-workers", "3"),
      "rolloutlake worker: --num-workers 3 is more than the groups of a round (2, "
      "--over-sampling-batch-size): a worker would never get one"),
+    (("--partial-rollout",),
+     "rolloutlake worker: --partial-rollout needs --prompts-from: the gateway keeps the "
+     "recycled samples durable"),
+    (("--mask-offpolicy-in-partial-rollout",),
+     "rolloutlake worker: --mask-offpolicy-in-partial-rollout needs --partial-rollout"),
     (("--max-over-sampling-rounds", "0"),
      "rolloutlake worker: --max-over-sampling-rounds: Input should be greater than or equal "
      "to 1"),
