@@ -19,6 +19,8 @@ from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.lake import Lake
 from tests.integration.pipeline import ordered_kafka, run_processor
 
+READS_THE_LAKE = pytest.mark.one_broker("replay and audit read the lake; the broker only builds it")
+
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
     return subprocess.run([sys.executable, "-m", "ingest.cli", *args], capture_output=True,
@@ -213,6 +215,7 @@ def simulated_lake(broker, tmp_path_factory) -> str:
     return root
 
 
+@READS_THE_LAKE
 def test_replay_reproduces_the_original_batches(simulated_lake, tmp_path):
     result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--into",
                  str(tmp_path / "replayed"), "--check")
@@ -226,6 +229,7 @@ def test_replay_reproduces_the_original_batches(simulated_lake, tmp_path):
                      r"\([0-9,]+ events/s\) into ", result.stdout), result.stdout
 
 
+@READS_THE_LAKE
 def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_path):
     out = tmp_path / "nofilter"
     result = cli("replay", "--lake", simulated_lake, "--run", "cli-run", "--config",
@@ -237,6 +241,7 @@ def test_replay_under_another_filter_keeps_zero_std_groups(simulated_lake, tmp_p
     assert any((g["reason"] or "").startswith("zero_std") for g in original)
 
 
+@READS_THE_LAKE
 def test_replay_errors_are_one_line(simulated_lake, tmp_path):
     assert "has no events" in one_line_error(
         cli("replay", "--lake", simulated_lake, "--run", "nope", "--config-file",
@@ -250,6 +255,7 @@ def test_replay_errors_are_one_line(simulated_lake, tmp_path):
     assert line.startswith("rolloutlake replay: --config 'batch=3': unknown key 'batch'")
 
 
+@READS_THE_LAKE
 def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -264,6 +270,7 @@ def test_replay_without_out_leaves_no_temporary_lake(simulated_lake, tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+@READS_THE_LAKE
 def test_replay_interrupted_removes_its_temporary_lake(simulated_lake, tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -307,6 +314,7 @@ def _config_file(tmp_path):
     return path
 
 
+@READS_THE_LAKE
 def test_audit_shows_events_and_decision(simulated_lake):
     result = cli("audit", "--lake", simulated_lake, "--run", "cli-run", "--group", "0")
     assert result.returncode == 0, result.stderr

@@ -11,6 +11,9 @@ import pytest
 
 from tests.support.gateway_support import RunningGateway, gateway_config
 
+pytestmark = pytest.mark.one_broker(
+    "uploads go to Delta; the broker is not on their path")
+
 
 def _jsonl(*rows: object) -> bytes:
     return b"".join(orjson.dumps(r) + b"\n" for r in rows)

@@ -19,6 +19,9 @@ from ingest.io.broker import free_port
 from ingest.io.kafka import KafkaSettings
 from tests.support.gateway_support import RunningGateway, gateway_config, sample_events
 
+pytestmark = pytest.mark.one_broker(
+    "the document and the answers' shapes; the broker path runs on both engines in test_gateway_events")
+
 BODY_LIMIT = 64 * 1024
 
 # (method, path) -> the statuses besides success it documents.

@@ -18,6 +18,8 @@ from schemas.errors import ConfigError
 from schemas.tables import TABLES
 from tests.support.gateway_support import RunningGateway, gateway_config
 
+REFUSED_BEFORE_THE_BROKER = pytest.mark.one_broker("answered without the broker")
+
 CONFIG = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -52,6 +54,7 @@ def test_start_list_and_get_runs(gw):
         assert reader.post("/v1/runs", json={"run_id": "run-a", "config": CONFIG}).status_code == 403
 
 
+@REFUSED_BEFORE_THE_BROKER
 @pytest.mark.parametrize("body, field", [
     ({"run_id": "r", "config": {"rollout_batch_size": 1}}, "n_samples_per_prompt"),
     ({"run_id": "r", "config": {**CONFIG, "over_sampling_batch_size": 0}},
@@ -65,6 +68,7 @@ def test_invalid_run_config_is_422_naming_the_field(gw, body, field):
     assert field in response.json()["detail"]
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_run_with_unknown_dataset_or_bad_id_is_422(gw):
     with gw.client() as client:
         missing = client.post("/v1/runs", json={"run_id": "r", "config": CONFIG, "dataset": "nope"})
@@ -196,6 +200,7 @@ def test_group_audit(gw, lake_root):
         assert reader.get("/v1/runs/run-b/metrics").status_code == 403
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_health_and_metrics_are_open(gw):
     with gw.client(token=None) as client:
         assert client.get("/healthz").json()["kafka"] == "connected"
@@ -205,6 +210,7 @@ def test_health_and_metrics_are_open(gw):
     assert "gateway_request_seconds_bucket" in text
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_access_log_names_the_principal_never_the_token(gw, caplog):
     with caplog.at_level("INFO", logger="gateway.access"), gw.client() as client:
         client.get("/v1/runs")
@@ -247,6 +253,7 @@ def test_cli_hashes_tokens_and_fails_in_one_line(tmp_path):
     assert no_tokens.stderr.strip().count("\n") == 0 and "no bearer token" in no_tokens.stderr
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_a_run_config_over_the_event_limit_is_a_422_naming_the_limit(gw):
     """Under the body limit, over the 8 MiB an event may have: refused before publishing."""
     big = {f"k{i}": "x" * 1_000_000 for i in range(9)}  # each value within the object bound

@@ -19,6 +19,10 @@ from tests.support.gateway_support import (
     sample_events,
 )
 
+# What is refused never reaches the broker; the publish path runs on both engines in
+# test_gateway_events.
+REFUSED_BEFORE_THE_BROKER = pytest.mark.one_broker("what is refused never reaches the broker")
+
 
 @pytest.fixture
 def gw(kafka, lake_root, tmp_path):
@@ -37,6 +41,7 @@ def _with(event: dict, **fields) -> bytes:
     return body[:-1] + extra + b"}"
 
 
+@REFUSED_BEFORE_THE_BROKER
 @pytest.mark.parametrize(("index", "fields", "field"), [
     (1, {"response_tokens": b"[2147483648]"}, "response_tokens.0"),
     (0, {"group_index": b"9223372036854775808"}, "group_index"),
@@ -62,6 +67,7 @@ def test_events_the_tables_cannot_store_are_422_naming_the_field(gw, kafka, inde
     assert consume_all(kafka, kafka.topics.events) == []
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_authorization_is_decided_before_the_body_is_validated(gw):
     invalid = [{"type": "sample_finished", "run_id": "run-a", "event_id": "x"}]
     cases = [
@@ -102,6 +108,7 @@ def test_the_same_event_id_in_another_run_is_another_event(kafka, lake_root, tmp
     assert sorted(orjson.loads(r.value)["run_id"] for r in records) == ["run-a"] * 3 + ["run-b"] * 3
 
 
+@REFUSED_BEFORE_THE_BROKER
 @pytest.mark.parametrize("path", ["/v1/runs/%2E%2E", "/v1/runs/%2E/steps/0",
                                   "/v1/runs/%2E%2E/metrics"])
 def test_path_step_run_ids_are_refused_in_paths(gw, path):
@@ -122,6 +129,7 @@ def test_run_id_flags_refuse_path_steps(lake_root):
         assert "'..' is not a run id" in lines[-1] and "Traceback" not in result.stderr, command
 
 
+@REFUSED_BEFORE_THE_BROKER
 @pytest.mark.parametrize("reward", [math.nan, math.inf, -math.inf])
 def test_the_sdk_refuses_non_finite_rewards_instead_of_sending_null(kafka, reward):
     with RolloutPublisher(kafka) as pub:
@@ -135,6 +143,7 @@ def test_the_sdk_refuses_non_finite_rewards_instead_of_sending_null(kafka, rewar
     assert consume_all(kafka, kafka.topics.events) == []
 
 
+@REFUSED_BEFORE_THE_BROKER
 def test_the_sdk_refuses_out_of_bounds_fields_by_name(kafka):
     with RolloutPublisher(kafka) as pub:
         with pytest.raises(EventValidationError, match="response_tokens.0: "):

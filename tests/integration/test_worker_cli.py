@@ -16,6 +16,9 @@ import pytest
 from ingest.io.broker import free_port
 from trainer.tiny import tiny_tokenizer
 
+pytestmark = pytest.mark.one_broker(
+    "each case is refused before the command publishes anything")
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ingest.cli"]
 REWARD_PATH = "tests.support.user_rewards.digit_share_or_raise"
