@@ -32,7 +32,7 @@ def test_the_registered_run_has_the_config_of_the_workers_flags(tmp_path):
     assert run_config(command) == {
         "n_samples_per_prompt": 6, "rollout_batch_size": 4, "over_sampling_batch_size": 12,
         "dynamic_sampling_filter_path": "ingest.core.filters.reward_nonzero_std",
-        "reward_key": None, "std_normalization": False, "max_staleness": 0,
+        "reward_key": None, "std_normalization": False, "partial_rollout": False, "max_staleness": 0,
         "rollout_shuffle": False}
 
 
