@@ -29,10 +29,11 @@ RUN, OTHER = "dapo-live", "dapo-seed2"
 CHARTS = ("groups", "reward", "zerostd", "cost", "bias", "lengths")
 ARTIFACT = Path(__file__).resolve().parents[2] / "artifacts" / "dashboard.png"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.one_broker(
+    "the dashboard reads the lake; the broker only builds it"), pytest.mark.skipif(
     not (shutil.which("chromium") and shutil.which("chromedriver")),
     reason="chromium and chromium-driver are not installed (deploy/install-test-deps.sh)",
-)
+)]
 
 
 @pytest.fixture

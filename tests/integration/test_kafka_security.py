@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,32 +148,44 @@ def test_sasl_plain_over_tls_is_accepted(secured):
         admin.close()
 
 
-def test_wrong_password_is_one_line(secured, tmp_path):
-    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
-                          "--lake", str(tmp_path), env=secured.env(sasl_password="wrong")))
+@pytest.fixture(scope="module")
+def refusals(secured, tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The refused connections, run at once: each waits out its bootstrap timeout."""
+    lake = str(tmp_path_factory.mktemp("refused"))
+    cases = {
+        "wrong password": (secured.sasl_ssl, secured.env(sasl_password="wrong")),
+        "wrong ca": (secured.sasl_ssl, secured.env(ssl_cafile=str(secured.other_ca))),
+        "plaintext to tls": (secured.sasl_ssl, {}),
+        "tls to plaintext": (secured.broker.bootstrap_servers, secured.env()),
+    }
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = {name: pool.submit(_cli, "process", "--bootstrap-servers", servers,
+                                  "--lake", lake, env=env)
+                for name, (servers, env) in cases.items()}
+        return {name: run.result() for name, run in runs.items()}
+
+
+def test_wrong_password_is_one_line(secured, refusals):
+    line = _one_line(refusals["wrong password"])
     assert line == (f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
                     f"SASL SCRAM-SHA-512 login of user '{SCRAM_USER}' was refused "
                     "(wrong username or password?)")
 
 
-def test_wrong_ca_is_one_line(secured, tmp_path):
-    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
-                          "--lake", str(tmp_path), env=secured.env(ssl_cafile=str(secured.other_ca))))
+def test_wrong_ca_is_one_line(secured, refusals):
+    line = _one_line(refusals["wrong ca"])
     assert line.startswith(f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
                            f"the broker's TLS certificate is not trusted by {secured.other_ca}")
 
 
-def test_plaintext_to_the_tls_port_is_one_line(secured, tmp_path):
-    line = _one_line(_cli("process", "--bootstrap-servers", secured.sasl_ssl,
-                          "--lake", str(tmp_path), env={}))
+def test_plaintext_to_the_tls_port_is_one_line(secured, refusals):
+    line = _one_line(refusals["plaintext to tls"])
     assert line.startswith(f"rolloutlake process: cannot connect to Kafka at {secured.sasl_ssl}: "
                            "the broker closed the connection: it may expect TLS")
 
 
-def test_tls_to_the_plaintext_port_is_one_line(secured, tmp_path):
-    line = _one_line(_cli("process", "--bootstrap-servers", secured.broker.bootstrap_servers,
-                          "--lake", str(tmp_path), env=secured.env()))
-    assert "the broker does not speak TLS on that port" in line
+def test_tls_to_the_plaintext_port_is_one_line(refusals):
+    assert "the broker does not speak TLS on that port" in _one_line(refusals["tls to plaintext"])
 
 
 @pytest.mark.parametrize(("env", "expected"), [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.integration.pipeline import (
     by_group,
     event,
@@ -11,6 +13,9 @@ from tests.integration.pipeline import (
     run_processor,
     sample,
 )
+
+pytestmark = pytest.mark.one_broker(
+    "what a user filter sees of a sample; the broker path runs on both engines elsewhere")
 
 
 def test_a_filter_reading_sample_response_decides_on_the_response_text(broker, lake_root):

@@ -275,7 +275,7 @@ def _send(producer: KafkaProducer, kafka: KafkaSettings, run_id: str, kind: str,
 # No shrinking: each example waits for the processor, and the failing case is printed whole.
 @pytest.mark.one_broker("what is fuzzed is the processor's handling of the bytes; the tests "
                         "above send poison through both brokers")
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(case=fuzz_case())
 def test_poison_fuzz_never_stops_the_processor(fuzz_env, case):

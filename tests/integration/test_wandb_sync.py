@@ -20,6 +20,9 @@ from ingest.processor.wandb_sink import follow_all_runs, last_synced_step, sync_
 from tests.integration.pipeline import ordered_kafka, run_processor
 from tests.support.metric_fixtures import step_metric_keys, write_steps
 
+pytestmark = pytest.mark.one_broker(
+    "the sync reads the lake; the broker only builds it")
+
 RUN = "dapo-wb"
 BLOCK = 32 * 1024
 HEADER = struct.Struct("<4sHB")  # ":W&B", magic 0xBEE1, version
