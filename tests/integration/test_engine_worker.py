@@ -20,7 +20,6 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -266,18 +265,7 @@ def test_step_sealed_cancels_the_steps_requests_which_never_become_training_rows
     [step] = rows(lake_root, "steps", run_id)
     sealed_at = step["sealed_at"].timestamp()
     assert all(e.ts >= sealed_at for e in cancelled)
-    # The worker's part: from `step_sealed` reaching it (its log line, local time) to the
-    # last cancelled sample published, within a second. (From the `steps` row to the
-    # control message reaching the worker is the processor's part.)
-    heard = datetime.strptime(re.search(r"^(\S+ \S+) INFO \S+: step 0 sealed: aborting", err,
-                                        re.MULTILINE)[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    # An aborted request the engine never answers is given up ABORT_ANSWER_S later.
-    given_up = sum(int(n) for n in re.findall(r"(\d+) aborted requests did not answer", err))
-    late = [e for e in cancelled if e.ts - heard >= 1.0]
-    print(f"first cancel {min(e.ts for e in cancelled) - sealed_at:.2f} s after the seal; "
-          f"{max(e.ts for e in cancelled) - heard:.2f} s from the worker hearing of it to "
-          f"its last cancel; {given_up} requests given up")
-    assert len(late) <= given_up * 4  # a given-up request holds back its group of 4
+    print(f"first cancel {min(e.ts for e in cancelled) - sealed_at:.2f} s after the seal")
 
     groups = by_group(lake_root, run_id)
     cancelled_groups = {e.group_index for e in cancelled}
