@@ -375,10 +375,10 @@ class RolloutWorker:
         sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
         before = group.resumed.get(rollout_id) or PartialSample("aborted", [], [], [], step)
         if before.status != "aborted":  # finished before its group was recycled: as it is
-            return await self._finished(step, group, rollout_id, before, self.weight_version)
+            return await self._finished(group, rollout_id, before, self.weight_version)
         budget = self.config.max_new_tokens - len(before.tokens)
         if budget <= 0:  # a continued sample with nothing left to generate
-            return await self._finished(step, group, rollout_id,
+            return await self._finished(group, rollout_id,
                                         dataclasses.replace(before, status="truncated"),
                                         self.weight_version)
         engine = self.engines[sample_index % len(self.engines)]
@@ -430,7 +430,7 @@ class RolloutWorker:
                 response_tokens=generation.tokens if generation is not None else None)
             self.progress.samples_aborted += 1
             return SampleOutcome("failed")
-        return await self._finished(step, group, rollout_id,
+        return await self._finished(group, rollout_id,
                                     _extended(before, generation, weight_version),
                                     weight_version)
 
@@ -444,17 +444,16 @@ class RolloutWorker:
         self.progress.last_engine_error = message
         log.warning("engine error: %s", message)
 
-    async def _finished(self, step: int, group: IssuedGroup, rollout_id: int,
+    async def _finished(self, group: IssuedGroup, rollout_id: int,
                         sample: PartialSample, weight_version: int) -> SampleOutcome:
         """Score (unless `--group-rm`) and publish a finished sample whose last tokens
         came from `weight_version`."""
         group_index, prompt = group.group_index, group.prompt
         sample_index = group_index * self.config.n_samples_per_prompt + rollout_id
         loss_mask = self._loss_mask(sample, weight_version)
-        trained = {v for (n, v) in sample.segments if n and v >= weight_version} if \
-            self.config.mask_offpolicy_in_partial_rollout else {v for (n, v) in sample.segments if n}
         # The oldest weights behind the tokens it trains on (Miles' staleness).
-        oldest = min(trained, default=weight_version)
+        oldest = min((v for n, v in sample.segments if n and self._trains(v, weight_version)),
+                     default=weight_version)
         response = self.tokenizer.decode(sample.tokens, skip_special_tokens=True)
         metadata = dict(prompt.metadata)
         resumed = group.recycled_from is not None
@@ -484,12 +483,17 @@ class RolloutWorker:
             len(group.resumed[rollout_id].tokens) if rollout_id in group.resumed else 0)
         return SampleOutcome("finished", sample, scored)
 
+    def _trains(self, version: int, weight_version: int) -> bool:
+        """Whether tokens of `version` are trained in a sample finished by `weight_version`:
+        with `--mask-offpolicy-in-partial-rollout` only those of its weights or newer."""
+        return not self.config.mask_offpolicy_in_partial_rollout or version >= weight_version
+
     def _loss_mask(self, sample: PartialSample, weight_version: int) -> list[int]:
-        """Ones, but with `--mask-offpolicy-in-partial-rollout` zeros for the tokens that
-        older weights than `weight_version` generated."""
+        """1 for each token `_trains`, else 0."""
         if not self.config.mask_offpolicy_in_partial_rollout:
             return [1] * len(sample.tokens)
-        return [bit for n, v in sample.segments for bit in [int(v >= weight_version)] * n]
+        return [bit for n, v in sample.segments
+                for bit in [int(self._trains(v, weight_version))] * n]
 
     async def _draw(self) -> None:
         """Redraw the progress line on the terminal, cut to its width."""
