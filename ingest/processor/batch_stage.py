@@ -42,6 +42,7 @@ from ingest.processor.decisions import (
     decision_header,
     decode_fragments,
     opened_notice,
+    sender_lake,
     watermark_notice,
 )
 from ingest.processor.offsets import app_id
@@ -96,6 +97,7 @@ class BatchStage(Stage):
         self.snapshots = BatchSnapshots(lake, self.topics.decisions, config.snapshot_every)
         self.restored: dict[int, Snapshot | None] = {}
         self.resumed_from: dict[int, int] = {}  # partition -> offset taken over at
+        self.foreign: set[str] = set()  # other lakes whose records were skipped
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -202,6 +204,15 @@ class BatchStage(Stage):
         return count
 
     def _handle(self, record: Any, pending: _Pending) -> None:
+        sent_for = sender_lake(record)
+        if sent_for not in (None, self.lake_id):
+            if sent_for not in self.foreign:
+                self.foreign.add(sent_for)
+                log.warning("%s[%d]@%d: records sent for another lake (events table id %s; "
+                            "this one's is %s), by a deployment of its own on these topics, "
+                            "are skipped", record.topic, record.partition, record.offset,
+                            sent_for, self.lake_id)
+            return
         merge = self.merges[record.partition]
         late = merge.late
         mark = watermark_notice(record)

@@ -5,6 +5,11 @@ archived `group_started`, so the batch stage counts prompts issued per step in o
 `watermark` notices (header only, sent to every partition): how far an events partition's
 event time has come, so the batch stage knows which decisions are safe to apply in order.
 
+Every record also names, in the Kafka header `lake`, the lake whose group stage sent it
+(the Delta table id of its `events` archive, which copies of the lake keep): two
+deployments on one topic prefix (a second lake derived from the same events) share the
+topic, and a batch stage applies only the records of its own lake.
+
 The header (Kafka header `decision`) is all a controller needs — run, group, step,
 decision, reason — so controllers never decode the token payload.
 """
@@ -26,6 +31,20 @@ INLINE_LIMIT_BYTES = 4 * 1024 * 1024
 # a group_started was archived: {run_id, group_index, step, at, at_us, partition, offset}
 OPENED = "opened"
 WATERMARK = "watermark"  # {partition, at_us}: events partition `partition` reached `at_us`
+LAKE = "lake"
+
+
+def lake_header(lake_id: str) -> tuple[str, bytes]:
+    return (LAKE, lake_id.encode())
+
+
+def sender_lake(record: Any) -> str | None:
+    """The lake a decisions record was sent for; None for records without the header
+    (sent before it existed: taken as this lake's)."""
+    for name, value in record.headers or ():
+        if name == LAKE:
+            return bytes(value).decode(errors="replace")
+    return None
 
 
 def encode_decision(decided: DecidedGroup) -> tuple[list[tuple[str, bytes]], bytes]:

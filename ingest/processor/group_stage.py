@@ -33,7 +33,12 @@ from ingest.io.archive import read_archive
 from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.decisions import encode_decision, encode_opened, encode_watermark
+from ingest.processor.decisions import (
+    encode_decision,
+    encode_opened,
+    encode_watermark,
+    lake_header,
+)
 from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError
@@ -144,6 +149,7 @@ class GroupStage(Stage):
         self._published_us: dict[int, int] = {}  # partition -> last watermark published
         self._idle_advanced_at: dict[int, float] = {}
         self._decisions_partitions: list[int] | None = None
+        self._sent_by = lake_header(self.lake_id)  # on every decisions record
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -175,6 +181,10 @@ class GroupStage(Stage):
             self.clocks[tp.partition] = PartitionClock()
             self.timeouts[tp.partition] = TimeoutQueue()
             self._rebuild(tp.partition)
+
+    def _lake_position(self, tp: TopicPartition) -> int | None:
+        recorded = self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
+        return -1 if recorded is None else recorded
 
     def _load_event_ids(self, partition: int) -> None:
         archive = self.lake.read(
@@ -495,13 +505,12 @@ class GroupStage(Stage):
         partitions, so a watermark never overtakes a decision it covers)."""
         for item in decisions:
             if isinstance(item, Opened):
-                headers = encode_opened(item)
                 self.producer.send(self.topics.decisions, key=item.run_id.encode(), value=b"",
-                                   headers=headers)
+                                   headers=[*encode_opened(item), self._sent_by])
                 continue
             headers, value = encode_decision(item)
             self.producer.send(self.topics.decisions, key=item.header.run_id.encode(),
-                               value=value, headers=headers)
+                               value=value, headers=[*headers, self._sent_by])
         watermarks = self._publish_watermarks()
         if decisions or watermarks:
             self.producer.flush()
@@ -530,6 +539,7 @@ class GroupStage(Stage):
             self._published_us[partition] = watermark
             for target in self._decisions_partitions:
                 self.producer.send(self.topics.decisions, partition=target, value=b"",
-                                   headers=encode_watermark(partition, watermark))
+                                   headers=[*encode_watermark(partition, watermark),
+                                            self._sent_by])
                 sent += 1
         return sent

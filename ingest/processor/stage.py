@@ -59,6 +59,8 @@ class Stage(ConsumerRebalanceListener):
     def __init__(self, config: ProcessorConfig, lake: Lake, *, topic: str, role: str):
         self.config = config
         self.lake = lake
+        # Which lake this is, as the decisions records name it (decisions.LAKE)
+        self.lake_id = str(lake.refresh("events").metadata().id)
         self.topics = config.kafka.topics
         # Decisions stay on loopback or a LAN inside the deployment: compressing them costs
         # more CPU on both stages than it saves on the wire.
@@ -294,6 +296,7 @@ class Stage(ConsumerRebalanceListener):
         try:
             end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
             runs_read = self.runs.read_to_end(timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+            others_read = self._unassigned_in_lake()
         except KafkaError:
             return False  # the broker health check reports an outage
         # What the partitions held at the previous check must have been read: a topic that
@@ -302,7 +305,7 @@ class Stage(ConsumerRebalanceListener):
         target = {tp: self.ends_checked.get(tp, end[tp]) for tp in owned}
         self.ends_checked = end
         behind = [tp for tp in owned if (fetch_position(self.consumer, tp) or 0) < target[tp]]
-        self.caught_up = not behind and runs_read
+        self.caught_up = not behind and runs_read and others_read
         polls = max(1, int(STALL_REPORT_S * 1000 / self.config.poll_timeout_ms))
         if not behind or self.empty_polls - self.stall_reported_at < polls:
             return False
@@ -318,6 +321,35 @@ class Stage(ConsumerRebalanceListener):
                 state.paused, state.awaiting_reset, state.awaiting_validation,
                 state._pending_revocation)
         return any(not states[tp].paused for tp in behind)
+
+    def _unassigned_in_lake(self) -> bool:
+        """Whether the lake holds what the topic's partitions not assigned to this member
+        hold, as far as the stage's lake records tell (`_lake_position`). A member can be
+        assigned nothing while it is its group's only one (the group leader assigns only
+        what its metadata lists at the join): idle then would end `--until-idle` with the
+        topic unread and the rest of the processor done. Unknown partitions count as
+        unread."""
+        partitions = self.consumer.partitions_for_topic(self.topic)
+        if not partitions:
+            return False
+        assigned = {tp.partition for tp in self.consumer.assignment()}
+        others = [TopicPartition(self.topic, p) for p in sorted(partitions - assigned)]
+        if not others:
+            return True
+        end = self.consumer.end_offsets(others, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+        for tp in others:
+            if end[tp] == 0:
+                continue
+            read = self._lake_position(tp)
+            if read is not None and read + 1 < end[tp]:
+                return False
+        return True
+
+    def _lake_position(self, tp: TopicPartition) -> int | None:
+        """The last offset of `tp` the lake has recorded (-1: none yet), or None when the
+        stage's lake cannot tell (the default: only the group stage records every offset
+        it reads)."""
+        return None
 
     def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
         """Refuse to resume a partition of a topic that was recreated since the lake read it.

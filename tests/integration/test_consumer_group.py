@@ -133,3 +133,26 @@ def test_a_check_whose_probe_cannot_reach_the_broker_holds_the_records_back(kafk
         assert stage.unverified is None
     finally:
         stage.close()
+
+
+def test_a_second_deployment_on_the_same_topics_applies_only_its_own_decisions(broker,
+                                                                               tmp_path):
+    """A second lake derived from the same events (another --consumer-group and --lake on
+    the same topics) shares `rollout.decisions` with the first. Its batch stage applied
+    the first deployment's decisions too: steps and samples whose events its lake never
+    archived (replay of it then found nothing)."""
+    kafka = ordered_kafka(broker.bootstrap_servers, f"two{uuid.uuid4().hex[:8]}.")
+    run = "shared-topics"
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
+            [event("group_started", run, group_index=0, step=0, n_samples=2),
+             sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)])
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    run_processor(kafka, first, idle_s=1.0, consumer_group="first")
+    assert [r["decision"] for r in rows(first, "groups", run)] == ["kept"]
+
+    run_processor(kafka, second, idle_s=1.0, consumer_group="second", stages="batches")
+    assert [rows(second, table, run) for table in ("groups", "samples", "steps")] == [[], [], []]
+
+    run_processor(kafka, second, idle_s=1.0, consumer_group="second")
+    for table in ("events", "groups", "steps"):
+        assert len(rows(second, table, run)) == len(rows(first, table, run)) > 0, table

@@ -7,11 +7,17 @@ import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kafka import KafkaConsumer
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.protocol.consumer.metadata import (
+    ConsumerProtocolAssignment,
+    ConsumerProtocolSubscription,
+)
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.kafka import KafkaSettings
@@ -302,3 +308,65 @@ def test_a_batch_stage_told_to_drain_before_it_runs_still_seals(broker, tmp_path
     child.process.join(120)
     assert child.process.exitcode == 0
     assert Lake(config.lake).read("steps", columns=["step"]).num_rows == sim.steps
+
+
+class _TakeEverything(RangePartitionAssignor):
+    """The range protocol as the stages speak it, run by a leader that assigns every
+    partition to its own member (the one whose subscription says TAKER): the others get
+    the empty assignment a leader whose metadata does not list the topic yet gives."""
+
+    TAKER = b"takes everything"
+
+    @classmethod
+    def metadata(cls, topics):
+        return ConsumerProtocolSubscription(cls.version, list(topics), cls.TAKER)
+
+    @classmethod
+    def assign(cls, cluster, members):
+        return {m.member_id: ConsumerProtocolAssignment(
+                    cls.version,
+                    sorted((topic, sorted(cluster.partitions_for_topic(topic) or ()))
+                           for topic in m.metadata.topics)
+                    if m.metadata.user_data == cls.TAKER else [], b"")
+                for m in members}
+
+
+def test_a_stage_assigned_nothing_is_not_idle_while_the_lake_lacks_its_topic(broker, tmp_path):
+    """A group stage whose consumer group assigned it nothing counted as idle at once: its
+    (empty) assignment was read to the end. A CI run's `--until-idle` processor then ended
+    without archiving one event, its leader's first assignment having been empty. Idle
+    needs the partitions assigned to no one here to be in the lake too."""
+    kafka = ordered_kafka(broker.bootstrap_servers, f"none{uuid.uuid4().hex[:8]}.")
+    publish(kafka, "unassigned", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+            complete_group("unassigned"))
+    lake = Lake(str(tmp_path / "lake"))
+    config = ProcessorConfig(kafka=kafka, lake=lake.root)
+    leader = kafka.consumer(group_id=f"{config.group_prefix}-groups", session_timeout_ms=6000,
+                            partition_assignment_strategy=[_TakeEverything])
+    leader.subscribe([kafka.topics.events])
+    deadline = time.monotonic() + 60
+    while not leader.assignment():  # joins alone first: the group's leader
+        assert time.monotonic() < deadline, "the first member did not join"
+        leader.poll(timeout_ms=100)
+    stop = threading.Event()
+    polling = threading.Thread(target=lambda: [leader.poll(timeout_ms=100)
+                                               for _ in iter(stop.is_set, True)])
+    polling.start()
+    stage = GroupStage(config, lake)
+    try:
+        while not stage.joined:
+            assert time.monotonic() < deadline, "the stage did not join"
+            stage.poll_once()
+        assert not stage.consumer.assignment() and leader.assignment()
+        poll_for(stage, 2.0)  # four end-offset checks
+        assert not stage.idle
+
+        stop.set()
+        polling.join()
+        leader.close()  # leaves: the partition comes to the stage, which reads it
+        poll_until_idle(stage)
+        assert ("unassigned", 0) in stage.decided
+    finally:
+        stop.set()
+        polling.join()
+        stage.close()
