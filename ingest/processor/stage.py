@@ -161,8 +161,7 @@ class Stage(ConsumerRebalanceListener):
         if self.rebalanced:
             self.rebalanced = False
             assigned, self.newly_assigned = self.newly_assigned, set()
-            if assigned:
-                self._take_over(assigned)
+            if assigned and self._took_over(assigned):
                 taken_over = True
                 self.topic_id = topic_id(self.consumer, self.topic)
                 self.owned |= {tp.partition for tp in assigned}
@@ -227,6 +226,21 @@ class Stage(ConsumerRebalanceListener):
                 for tp in self.consumer.assignment() if tp.partition in self.consumed
             )
         return count
+
+    def _took_over(self, assigned: set[TopicPartition]) -> bool:
+        """Take `assigned` over, or, when the broker cannot answer the continuity check yet
+        (a probe consumer that cannot bootstrap on a starved machine: CI saw "could not be
+        read within 10 s"), release what was taken and try again at the next poll."""
+        try:
+            self._take_over(assigned)
+            return True
+        except (KafkaError, TopicUnreadableError, BrokerUnavailableError) as exc:
+            log.warning("%s stage: cannot take partitions %s over yet (%s); trying again",
+                        self.health.role, sorted(tp.partition for tp in assigned), exc)
+            self._release({tp.partition for tp in assigned})
+            self.newly_assigned |= assigned & set(self.consumer.assignment())
+            self.rebalanced = True
+            return False
 
     def _checked_partitions(self, polled: dict, why: str) -> dict:
         """`polled`, once every owned partition is checked to be the one the lake read;

@@ -156,3 +156,38 @@ def test_a_second_deployment_on_the_same_topics_applies_only_its_own_decisions(b
     run_processor(kafka, second, idle_s=1.0, consumer_group="second")
     for table in ("events", "groups", "steps"):
         assert len(rows(second, table, run)) == len(rows(first, table, run)) > 0, table
+
+
+def test_a_take_over_whose_check_cannot_reach_the_broker_is_tried_again(kafka, lake_root):
+    """A take-over checks each partition the lake already read with a probe consumer of
+    its own. On a starved machine that probe can fail to read in time (CI: "could not be
+    read within 10 s"), and the stage, so the processor, stopped: it now tries again."""
+    run = "retaken"
+    lake = _lake_with_every_table(lake_root)
+    # one the broker takes: no rejoin, whose new consumer would use the unreachable settings
+    config = ProcessorConfig(kafka=kafka, lake=lake_root, session_timeout_ms=6000)
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
+            [event("group_started", run, group_index=0, step=0, n_samples=2)])
+    run_processor(kafka, lake_root, idle_s=0.5)
+    publish(kafka, run, None, [sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)])
+    stage = GroupStage(config, lake)
+    try:
+        unreachable = kafka.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}",
+                                               "bootstrap_timeout_ms": 300})
+        stage.config = config.model_copy(update={"kafka": unreachable})
+        deadline = time.monotonic() + 60
+        while not stage.joined:
+            assert time.monotonic() < deadline, "the stage did not join"
+            stage.poll_once()
+        for _ in range(10):
+            stage.poll_once()
+        assert not stage.owned and not stage.idle
+        stage.config = config
+        deadline = time.monotonic() + 60
+        while (run, 0) not in stage.decided:
+            assert time.monotonic() < deadline, "the partitions were not taken over again"
+            stage.poll_once()
+        assert stage.owned == set(range(kafka.event_partitions))
+    finally:
+        stage.close()
+    assert len([r for r in rows(lake_root, "events", run) if r["type"] != "run_started"]) == 3

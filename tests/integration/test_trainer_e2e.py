@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 RUN = "e2e-run"
 REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120
+START_TIMEOUT_S = 240  # a loaded CI machine: two trainers import torch and DeepSpeed at once
 
 
 def seal_run(root: Path) -> Lake:
