@@ -3,6 +3,7 @@ cursor that survives a restart exactly, and concurrent consumers."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +15,8 @@ import pytest
 from ingest.io.broker import free_port
 from ingest.io.lake import Lake
 from ingest.sdk.publisher import RolloutPublisher
+from ingest.workers import prompts as worker_prompts
+from ingest.workers.prompts import GatewayPrompts, PartialSample
 from schemas.events import decode_event
 from tests.support.gateway_support import (
     GatewayProcess,
@@ -334,3 +337,40 @@ def test_a_recycle_with_bad_samples_is_a_422_naming_the_field_and_changes_nothin
             assert refused.status_code == 422 and expected in str(refused.json()), refused.text
         cursor = client.get(f"/v1/runs/{run_id}/prompts/cursor").json()
     assert cursor["recycle_groups"] == []
+
+
+@pytest.mark.one_broker("a recycle is HTTP and Delta; the broker carries no part of it")
+def test_a_recycle_refused_or_unanswered_gives_the_samples_up_once_said(config, monkeypatch,
+                                                                       caplog):
+    """The worker's side of partial rollout (`GatewayPrompts.recycle`): a refusal (4xx) is
+    not asked again, a gateway that does not answer is asked RECYCLE_ATTEMPTS times; either
+    way one warning names the group and the answer, and False tells the worker to publish
+    the cancelled samples with `recyclable: false`."""
+    monkeypatch.setattr(worker_prompts, "RECYCLE_RETRY_S", 0.05)
+    partial = {0: PartialSample("aborted", [5, 6], [-0.5, -0.25], [(2, 0)], 0)}
+
+    def attempts(source: GatewayPrompts, group_index: int) -> tuple[bool, int]:
+        sent: list[object] = []
+
+        async def count(request: object) -> None:
+            sent.append(request)
+
+        async def recycle() -> bool:
+            source.client.event_hooks["request"] = [count]
+            try:
+                return await source.recycle(group_index, partial)
+            finally:
+                await source.aclose()
+        return asyncio.run(recycle()), len(sent)
+
+    with RunningGateway(config) as gw, gw.client() as client:
+        run_id = _start(client)
+        served = _serve(client, run_id, 1)[0]["group_index"]
+        source = lambda: GatewayPrompts(gw.url, run_id, "admin-token", None, 4)  # noqa: E731
+        assert attempts(source(), served + 1) == (False, 1)  # never issued: 404
+        assert f"could not recycle group {served + 1}" in caplog.text and "404" in caplog.text
+        assert attempts(source(), served) == (True, 1)
+        assert _serve(client, run_id, 1)[0]["samples"][0]["response_tokens"] == [5, 6]
+    gone = GatewayPrompts(f"http://127.0.0.1:{free_port()}", run_id, None, None, 4)
+    assert attempts(gone, 0) == (False, worker_prompts.RECYCLE_ATTEMPTS)
+    assert caplog.text.count("could not recycle group") == 2
