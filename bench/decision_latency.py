@@ -8,6 +8,8 @@
    commit holding its rows (batch stage) -> the `groups` commit holding its row.
    Commit times are the commits' own `commitInfo.timestamp`s, so the figures carry no
    reader's polling delay.
+   Run with the batch stage's background compaction off (`--compact-every 0`) and at its
+   default, interleaved (`--rounds`).
 2. One-row appends to a fresh table, `--commits` of them, through `Lake.append` (what both
    stages do): the mean cost per 50 commits as the table's files accumulate.
 """
@@ -29,7 +31,8 @@ from pipeline import _spawn, _warm_up, stream
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
-from ingest.io.lake import Lake, TxnMark
+from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
+from ingest.processor.config import ProcessorConfig
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 
@@ -69,7 +72,7 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {p50:4.0f}   p90 {p90:4.0f}   p99 {p99:4.0f} ms"
 
 
-def hops(steps: int) -> None:
+def hops(steps: int, compact_every: int) -> None:
     sim = SimulationConfig(run_id=RUN, steps=steps, rollout_batch_size=32, n_samples=8,
                            response_len_mean=2048, prompt_len=256, mode="open",
                            duplicate_rate=0.0, seed=4)
@@ -80,7 +83,8 @@ def hops(steps: int) -> None:
         kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="lat.",
                               event_partitions=1, decision_partitions=1)
         kafka.ensure_topics()
-        processor = _spawn(kafka, str(root), idle_s=3.0)
+        processor = _spawn(kafka, str(root), idle_s=3.0,
+                           flags=("--compact-every", str(compact_every)))
         with RolloutPublisher(kafka) as pub:
             pub.run_started(RUN, sim.run_config())
             _warm_up(pub, str(root))
@@ -104,7 +108,8 @@ def hops(steps: int) -> None:
         archived_at = next(t for mark, t in archived if mark >= last_offset[group])
         rows.append((archived_at - at, samples[group] - archived_at,
                      decided[group] - samples[group], decided[group] - at))
-    print(f"{len(rows)} groups, one every 50 ms; ms from the group's last event sent")
+    print(f"--compact-every {compact_every}: {len(rows)} groups, one every 50 ms; ms from the "
+          "group's last event sent")
     for name, column in zip(("sent -> events commit (group stage)",
                              "events -> samples commit (to the batch stage)",
                              "samples -> groups commit", "total: sent -> groups row"),
@@ -117,27 +122,35 @@ def hops(steps: int) -> None:
 
 
 def growth(count: int) -> None:
-    lake = Lake(tempfile.mkdtemp(prefix="rolloutlake-commits-"))
-    schema = lake.spec("dead_letters").schema
-    row = {f.name: None for f in schema}
-    row.update(topic="t", partition=0, offset=0, error="e", at=datetime.now(UTC))
-    table = pa.Table.from_pylist([row], schema=schema)
-    costs = []
-    for version in range(count):
-        started = time.perf_counter()
-        lake.append("dead_letters", table, [TxnMark("bench", version)])
-        costs.append(time.perf_counter() - started)
+    every = ProcessorConfig.model_fields["compact_every"].default
     print(f"one-row appends through Lake.append, mean of each 50 ({count} commits, one file each):")
-    print("  " + "  ".join(f"{at}: {np.mean(costs[at:at + 50]) * 1000:.1f} ms"
-                           for at in range(0, count, 100)))
+    for compact in (0, every):
+        lake = Lake(tempfile.mkdtemp(prefix="rolloutlake-commits-"))
+        compaction = BackgroundCompaction(lake, ["dead_letters"], compact)
+        schema = lake.spec("dead_letters").schema
+        row = {f.name: None for f in schema}
+        row.update(topic="t", partition=0, offset=0, error="e", at=datetime.now(UTC))
+        table = pa.Table.from_pylist([row], schema=schema)
+        costs = []
+        for version in range(count):
+            started = time.perf_counter()
+            lake.append("dead_letters", table, [TxnMark("bench", version)])
+            costs.append(time.perf_counter() - started)
+        compaction.close()
+        print(f"  compacted every {compact or 'never':>5}: " + "  ".join(
+            f"{at}: {np.mean(costs[at:at + 50]) * 1000:.1f} ms" for at in range(0, count, 100)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--commits", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="latency runs per setting, interleaved")
     args = parser.parse_args()
-    hops(args.steps)
+    for _ in range(args.rounds):
+        for compact_every in (0, ProcessorConfig.model_fields["compact_every"].default):
+            hops(args.steps, compact_every)
     growth(args.commits)
 
 

@@ -109,11 +109,12 @@ def bench_bare_kafka(kafka: KafkaSettings, groups: list[list[bytes]]) -> float:
     return elapsed
 
 
-def _spawn(kafka: KafkaSettings, lake: str, idle_s: float = 10.0) -> subprocess.Popen:
+def _spawn(kafka: KafkaSettings, lake: str, idle_s: float = 10.0,
+           flags: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
          kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-         "--event-partitions", "1", "--until-idle", str(idle_s)],
+         "--event-partitions", "1", "--until-idle", str(idle_s), *flags],
         stderr=subprocess.DEVNULL,
     )
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,7 +33,7 @@ from deltalake import (
     write_deltalake,
 )
 from deltalake import Field as DeltaField
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
@@ -142,6 +143,7 @@ class Lake:
         self.root = str(root).rstrip("/")
         self.storage_options = lake_storage_options(self.root, storage_options)
         self._tables: dict[str, DeltaTable] = {}
+        self.after_commit: Callable[[str], None] | None = None  # called with the table's name
 
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}"
@@ -230,6 +232,8 @@ class Lake:
                 dt.update_incremental()
                 continue
             dt.update_incremental()
+            if self.after_commit is not None:
+                self.after_commit(table)
             return dt.version()
         raise CommitFailedError(f"{table}: gave up after {MAX_COMMIT_RETRIES} concurrent commits")
 
@@ -243,6 +247,9 @@ class Lake:
 
     def version(self, table: str) -> int:
         return self.refresh(table).version()
+
+    def active_files(self, table: str) -> int:
+        return len(self.refresh(table).file_uris())
 
     def commit_times(self, table: str) -> dict[int, datetime]:
         """When each version of the table still in its log was committed (Delta's commit
@@ -346,3 +353,42 @@ def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int | None:
 def _is_newer(recorded: int | None, version: int) -> bool:
     """Whether `version` advances an app transaction (version 0 is a real version)."""
     return recorded is None or recorded < version
+
+
+class BackgroundCompaction:
+    """Compacts a table's small files (`Lake.compact`) in a thread of its own after every
+    `every` commits of `lake` to it: a delta-rs append costs time in proportion to the
+    files the table holds (10 ms on a fresh table, 48 ms at 400 one-row files, 15 ms again
+    once they are compacted), so a stage committing every poll keeps its commits cheap.
+    The thread has its own table handles; an append that races a compaction retries
+    (`Lake.append`), and a compaction that loses to another writer waits for the next turn."""
+
+    def __init__(self, lake: Lake, tables: Iterable[str], every: int):
+        self.every = every
+        self.tables = set(tables)
+        self.commits: dict[str, int] = dict.fromkeys(self.tables, 0)
+        self.compactor = Lake(lake.root, lake.storage_options)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
+        self.running: dict[str, Future[None]] = {}
+        if every:
+            lake.after_commit = self.committed
+
+    def committed(self, table: str) -> None:
+        if table not in self.tables:
+            return
+        self.commits[table] += 1
+        running = self.running.get(table)
+        if self.commits[table] % self.every or (running is not None and not running.done()):
+            return
+        self.running[table] = self.pool.submit(self._compact, table)
+
+    def _compact(self, table: str) -> None:
+        try:
+            self.compactor.compact(table)
+        except (DeltaError, OSError) as err:
+            log.warning("compacting %s's small files failed (%s); trying again after %d "
+                        "more commits", table, err, self.every)
+
+    def close(self) -> None:
+        """Wait for a compaction in progress (a cut one would leave only orphan files)."""
+        self.pool.shutdown(wait=True)

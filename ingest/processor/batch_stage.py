@@ -30,7 +30,7 @@ from ingest.core.decided import DecidedGroup, DecisionHeader, Opened, fragments_
 from ingest.core.ordering import OPENED, DecisionMerge
 from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.io.archive import archived_group
-from ingest.io.lake import Lake, TxnMark
+from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
 from ingest.processor.batch_snapshot import (
     BatchSnapshots,
     BatchState,
@@ -52,6 +52,7 @@ from schemas.errors import RolloutlakeError
 from schemas.tables import STEP_METRICS, STEPS
 
 log = logging.getLogger(__name__)
+COMPACTED_TABLES = ("samples", "groups", "steps", "step_metrics")
 
 # Commit order (see `_commit`). Every table filters by its own recorded offset, so the
 # order is not needed for correctness; it puts the seal first and `groups` last, so a
@@ -98,6 +99,13 @@ class BatchStage(Stage):
         self.restored: dict[int, Snapshot | None] = {}
         self.resumed_from: dict[int, int] = {}  # partition -> offset taken over at
         self.foreign: set[str] = set()  # other lakes whose records were skipped
+        # Tables written every poll, of small rows; not training_batches (trainers read
+        # it at recorded versions) or dead_letters (raw messages, up to 8 MiB each).
+        self.compaction = BackgroundCompaction(lake, COMPACTED_TABLES, config.compact_every)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        super().close(timeout_s)
+        self.compaction.close()
 
     # -- partition ownership ---------------------------------------------------------------
 

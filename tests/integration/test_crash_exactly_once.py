@@ -64,7 +64,9 @@ def _spawn(kafka: KafkaSettings, lake: str, logs, until_idle: float | None = Non
     stall it)."""
     cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
            kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
-           "--event-partitions", "4", "--consumer-group", f"{kafka.topic_prefix}{GROUP}"]
+           "--event-partitions", "4", "--consumer-group", f"{kafka.topic_prefix}{GROUP}",
+           # compactions then race the other instance's appends, and the kills
+           "--compact-every", "5"]
     if until_idle is not None:
         cmd += ["--until-idle", str(until_idle)]
     log = logs / f"instance-{len(list(logs.iterdir()))}.log"

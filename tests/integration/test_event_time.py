@@ -91,7 +91,7 @@ def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_ag
     streaming = threading.Thread(target=_publish, args=(kafka, 0.03))
     streaming.start()
     processor = threading.Thread(target=run_processor, args=(kafka, live),
-                                 kwargs={"idle_s": 4.0, "max_poll_records": 3,
+                                 kwargs={"idle_s": 4.0, "max_poll_records": 3, "compact_every": 2,
                                          "consumer_group": f"{kafka.topic_prefix}order-live"})
     processor.start()
     streaming.join()

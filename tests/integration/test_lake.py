@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from deltalake import DeltaTable
 from pydantic import BaseModel, ValidationError
 
-from ingest.io.lake import Lake, LakePath, TxnMark
+from ingest.io.lake import BackgroundCompaction, Lake, LakePath, TxnMark
 from schemas.errors import ConfigError
-from schemas.tables import STEP_METRICS
+from schemas.tables import GROUPS, SAMPLES, STEP_METRICS
 
 
 def _metric(step: int, key: str = "k") -> pa.Table:
@@ -88,3 +92,48 @@ def test_other_punctuation_in_a_lake_path_round_trips(tmp_path, char):
     root = tmp_path / f"a{char}b"
     Lake(root).append("step_metrics", _metric(1))
     assert Lake(root).read("step_metrics").num_rows == 1
+
+
+def _one_row_groups(lake: Lake, count: int, first: int = 0) -> None:
+    for g in range(first, first + count):
+        row = {"run_id": "c", "group_index": g, "step": 0, "n_samples": 1, "decision": "kept",
+               "decided_at": datetime.now(UTC)}
+        lake.append("groups", pa.Table.from_pylist([row], schema=GROUPS.schema),
+                    [TxnMark("groups-app", g)])
+
+
+def test_background_compaction_keeps_a_tables_files_few_and_its_rows_and_marks(tmp_path):
+    """A Delta append costs time in proportion to the files a table holds; the batch stage
+    compacts its audit tables every `every` commits while it goes on committing."""
+    compacted, plain = Lake(str(tmp_path / "compacted")), Lake(str(tmp_path / "plain"))
+    compaction = BackgroundCompaction(compacted, ["groups"], every=10)
+    BackgroundCompaction(plain, ["groups"], every=0)
+    for lake in (compacted, plain):
+        _one_row_groups(lake, 25)
+        lake.append("samples", pa.Table.from_pylist(
+            [{"run_id": "c", "group_index": 0, "rollout_id": 0, "fragment_index": 0,
+              "status": "completed", "response_length": 1, "decision": "kept"}],
+            schema=SAMPLES.schema))
+    compaction.close()
+    assert plain.active_files("groups") == 25
+    assert compacted.active_files("groups") <= 6  # two compactions, then 5 appends
+    assert compacted.active_files("samples") == plain.active_files("samples") == 1
+    for lake in (compacted, plain):
+        groups = lake.read("groups", columns=["group_index"]).column("group_index").to_pylist()
+        assert sorted(groups) == list(range(25))
+        assert lake.txn_version("groups", "groups-app") == 24
+    # a reader at a version before the compactions still reads it as it was
+    early = DeltaTable(compacted.uri("groups"), version=5).to_pyarrow_table()
+    assert sorted(early.column("group_index").to_pylist()) == list(range(5))
+
+
+def test_a_compaction_that_fails_is_a_warning_and_commits_go_on(tmp_path, caplog):
+    lake = Lake(str(tmp_path / "lake"))
+    compaction = BackgroundCompaction(lake, ["groups"], every=5)
+    _one_row_groups(lake, 4)
+    for uri in lake.refresh("groups").file_uris()[:1]:  # a data file lost under the table
+        Path(uri.removeprefix("file://")).unlink()
+    _one_row_groups(lake, 6, first=4)
+    compaction.close()
+    assert "compacting groups's small files failed" in caplog.text
+    assert lake.txn_version("groups", "groups-app") == 9
