@@ -135,6 +135,8 @@ def test_a_check_whose_probe_cannot_reach_the_broker_holds_the_records_back(kafk
         stage.close()
 
 
+@pytest.mark.one_broker("the subject is the batch stage's filter; every processor test carries "
+                        "the decisions' headers through both brokers")
 def test_a_second_deployment_on_the_same_topics_applies_only_its_own_decisions(broker,
                                                                                tmp_path):
     """A second lake derived from the same events (another --consumer-group and --lake on
@@ -158,6 +160,7 @@ def test_a_second_deployment_on_the_same_topics_applies_only_its_own_decisions(b
         assert len(rows(second, table, run)) == len(rows(first, table, run)) > 0, table
 
 
+@pytest.mark.one_broker("the probe that fails is pointed at no broker at all")
 def test_a_take_over_whose_check_cannot_reach_the_broker_is_tried_again(kafka, lake_root):
     """A take-over checks each partition the lake already read with a probe consumer of
     its own. On a starved machine that probe can fail to read in time (CI: "could not be
