@@ -42,13 +42,12 @@ demo-simulate: install
 	$(VENV)/bin/rolloutlake demo --simulate
 
 # Three pytest workers: most tests wait on brokers, engines and group joins rather than the
-# CPU; by file, so a module's engine and lake fixtures stay in one worker; slowest modules
-# first (tests/conftest.py), so that the three end together.
+# CPU; by file, so a module's engine and lake fixtures stay in one worker.
 test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 # The whole loop and the worker's engine tests on a real SGLang server. The install script
 # comes first: without a CUDA GPU it stops at once with one line, before anything installs.

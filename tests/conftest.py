@@ -27,24 +27,7 @@ def pytest_configure(config):
         "markers", "one_broker(reason): runs on the default broker engine only")
 
 
-# The modules that take longest (`--durations`, worker time), longest first: `make test`
-# hands whole modules to three workers in collection order (`--no-loadscope-reorder`), and
-# a long module that starts last makes the whole suite wait for it.
-SLOWEST_MODULES = (
-    "test_engine_worker.py", "test_spark.py", "test_crash_exactly_once.py", "test_cli.py",
-    "test_trainer_e2e.py", "test_event_time.py", "test_loop.py", "test_kafka_security.py",
-    "test_durability.py", "test_scale_out.py", "test_replay.py", "test_broker_loss.py",
-    "test_lineage.py", "test_s3_lake.py",
-)
-
-
-def _module_rank(item) -> int:
-    name = item.path.name
-    return SLOWEST_MODULES.index(name) if name in SLOWEST_MODULES else len(SLOWEST_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_module_rank)  # stable: a module's own order stays
     kept, dropped = [], []
     for item in items:
         on_other_engine = getattr(item, "callspec", None) is not None and \
