@@ -37,6 +37,7 @@ from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 
 RUN = "latency"
+COMPACT_EVERY = ProcessorConfig.model_fields["compact_every"].default  # the processor's
 
 
 def commits(table: Path) -> list[tuple[float, list[str], dict[str, int]]]:
@@ -122,9 +123,8 @@ def hops(steps: int, compact_every: int) -> None:
 
 
 def growth(count: int) -> None:
-    every = ProcessorConfig.model_fields["compact_every"].default
     print(f"one-row appends through Lake.append, mean of each 50 ({count} commits, one file each):")
-    for compact in (0, every):
+    for compact in (0, COMPACT_EVERY):
         lake = Lake(tempfile.mkdtemp(prefix="rolloutlake-commits-"))
         compaction = BackgroundCompaction(lake, ["dead_letters"], compact)
         schema = lake.spec("dead_letters").schema
@@ -149,7 +149,7 @@ def main() -> None:
                         help="latency runs per setting, interleaved")
     args = parser.parse_args()
     for _ in range(args.rounds):
-        for compact_every in (0, ProcessorConfig.model_fields["compact_every"].default):
+        for compact_every in (0, COMPACT_EVERY):
             hops(args.steps, compact_every)
     growth(args.commits)
 

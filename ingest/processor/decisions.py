@@ -41,10 +41,8 @@ def lake_header(lake_id: str) -> tuple[str, bytes]:
 def sender_lake(record: Any) -> str | None:
     """The lake a decisions record was sent for; None for records without the header
     (sent before it existed: taken as this lake's)."""
-    for name, value in record.headers or ():
-        if name == LAKE:
-            return bytes(value).decode(errors="replace")
-    return None
+    value = _header(record, LAKE)
+    return None if value is None else bytes(value).decode(errors="replace")
 
 
 def encode_decision(decided: DecidedGroup) -> tuple[list[tuple[str, bytes]], bytes]:
@@ -66,10 +64,8 @@ def fragments_ipc(table: pa.Table) -> bytes:
 
 def decision_header(record: Any) -> DecisionHeader | None:
     """The header of a `rollout.decisions` record, or None for a foreign message."""
-    for name, value in record.headers or ():
-        if name == HEADER:
-            return DecisionHeader.from_json(value)
-    return None
+    value = _header(record, HEADER)
+    return None if value is None else DecisionHeader.from_json(value)
 
 
 def encode_opened(opened: Opened) -> list[tuple[str, bytes]]:
@@ -98,9 +94,15 @@ def watermark_notice(record: Any) -> dict[str, Any] | None:
 
 
 def _header_body(record: Any, name: str) -> dict[str, Any] | None:
+    value = _header(record, name)
+    return None if value is None else orjson.loads(value)
+
+
+def _header(record: Any, name: str) -> bytes | None:
+    """The value of the record's first Kafka header `name`."""
     for key, value in record.headers or ():
         if key == name:
-            return orjson.loads(value)
+            return value
     return None
 
 

@@ -173,7 +173,7 @@ class GroupStage(Stage):
             if group_index is not None and error.startswith(NO_GROUP_STARTED):
                 self.dead.add((run_id, group_index))
         for tp in sorted(assigned, key=lambda t: t.partition):
-            recorded = self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
+            recorded = self._archived_up_to(tp)
             self.check_continuity(tp, recorded)
             self.recorded[tp.partition] = recorded
             self.consumer.seek(tp, 0 if recorded is None else recorded + 1)
@@ -182,9 +182,13 @@ class GroupStage(Stage):
             self.timeouts[tp.partition] = TimeoutQueue()
             self._rebuild(tp.partition)
 
-    def _lake_position(self, tp: TopicPartition) -> int | None:
-        recorded = self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
-        return -1 if recorded is None else recorded
+    def _lake_positions(self, partitions: list[TopicPartition]
+                        ) -> dict[TopicPartition, int | None]:
+        return {tp: self._archived_up_to(tp) for tp in partitions}
+
+    def _archived_up_to(self, tp: TopicPartition) -> int | None:
+        """The last offset of `tp` the events archive recorded; None before any."""
+        return self.lake.txn_version("events", app_id("events", tp.topic, tp.partition))
 
     def _load_event_ids(self, partition: int) -> None:
         archive = self.lake.read(

@@ -338,7 +338,7 @@ class Stage(ConsumerRebalanceListener):
 
     def _unassigned_in_lake(self) -> bool:
         """Whether the lake holds what the topic's partitions not assigned to this member
-        hold, as far as the stage's lake records tell (`_lake_position`). A member can be
+        hold, as far as the stage's lake records tell (`_lake_positions`). A member can be
         assigned nothing while it is its group's only one (the group leader assigns only
         what its metadata lists at the join): idle then would end `--until-idle` with the
         topic unread and the rest of the processor done. Unknown partitions count as
@@ -348,21 +348,21 @@ class Stage(ConsumerRebalanceListener):
             return False
         assigned = {tp.partition for tp in self.consumer.assignment()}
         others = [TopicPartition(self.topic, p) for p in sorted(partitions - assigned)]
-        if not others:
+        read = self._lake_positions(others) if others else None
+        if read is None:
             return True
         end = self.consumer.end_offsets(others, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
         for tp in others:
-            if end[tp] == 0:
-                continue
-            read = self._lake_position(tp)
-            if read is not None and read + 1 < end[tp]:
+            recorded = read[tp]
+            if end[tp] and (recorded is None or recorded + 1 < end[tp]):
                 return False
         return True
 
-    def _lake_position(self, tp: TopicPartition) -> int | None:
-        """The last offset of `tp` the lake has recorded (-1: none yet), or None when the
-        stage's lake cannot tell (the default: only the group stage records every offset
-        it reads)."""
+    def _lake_positions(self, partitions: list[TopicPartition]
+                        ) -> dict[TopicPartition, int | None] | None:
+        """The last offset of each of `partitions` the lake has recorded (None: none yet),
+        or None when the stage's lake cannot tell (the default: only the group stage
+        records every offset it reads)."""
         return None
 
     def check_continuity(self, tp: TopicPartition, recorded: int | None) -> None:
