@@ -11,19 +11,23 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import json
 import logging
 import os
+import posixpath
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pa_fs
+import pyarrow.parquet as pq
 from deltalake import (
     ColumnProperties,
     CommitProperties,
@@ -34,6 +38,7 @@ from deltalake import (
 )
 from deltalake import Field as DeltaField
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction, RemoveAction
 from pydantic import AfterValidator, Field
 from pydantic_core import PydanticCustomError
 
@@ -231,19 +236,59 @@ class Lake:
                 log.warning("concurrent commit on %s, retrying (%d)", table, attempt + 1)
                 dt.update_incremental()
                 continue
-            dt.update_incremental()
+            # write_deltalake moved `dt` to the version it committed (a reload would cost
+            # another listing of the log per commit).
             if self.after_commit is not None:
                 self.after_commit(table)
             return dt.version()
         raise CommitFailedError(f"{table}: gave up after {MAX_COMMIT_RETRIES} concurrent commits")
 
     def compact(self, table: str) -> dict[str, int]:
-        """Rewrite the table's small files into larger ones (Delta optimize), with the
-        table's own writer properties; the rows and their current version stay as they
-        were, the old files are tombstoned (removed by a later vacuum)."""
-        metrics = self.refresh(table).optimize.compact(
-            writer_properties=_writer_properties(self.spec(table)))
-        return {"added": metrics["numFilesAdded"], "removed": metrics["numFilesRemoved"]}
+        """Rewrite the table's small files into larger ones, per partition, in one commit,
+        with the table's own writer properties; the rows stay as they were, the old files
+        are tombstoned (removed by a later vacuum).
+
+        Not delta-rs's optimize: deltalake 1.6.6 lets a second optimize commit files that
+        another one already rewrote (its conflict check passes removes marked as no data
+        change), so two processes compacting a table at once put its rows in twice. Here
+        the removes are marked as data changes, which the conflict check does catch: of
+        two compactions of the same files the second fails (CommitFailedError), and an
+        append that races one retries as for any concurrent commit (`append`).
+        """
+        dt = self.refresh(table)
+        spec = self.spec(table)
+        bins = compaction_bins(pa.table(dt.get_add_actions(flatten=True)), spec.partition_by)
+        if not bins:
+            return {"added": 0, "removed": 0}
+        files = self.table_filesystem(table, dt)
+        file_schema = pa.schema([f for f in spec.schema if f.name not in spec.partition_by])
+        plain = [f.name for f in file_schema if f.name not in spec.blob_columns]
+        now = int(datetime.now(UTC).timestamp() * 1000)
+        actions: list[AddAction | RemoveAction] = []
+        for partition_values, small in bins:
+            rows = ds.dataset([f["path"] for f in small], schema=file_schema, format="parquet",
+                              filesystem=files).to_table()
+            path = posixpath.join(posixpath.dirname(small[0]["path"]),
+                                  f"part-{uuid.uuid4()}-compacted.snappy.parquet")
+            pq.write_table(rows, path, filesystem=files, use_dictionary=plain,
+                           write_statistics=plain)
+            size = files.get_file_info(path).size
+            actions.append(AddAction(path, size, partition_values, now, True,
+                                     _file_stats(rows, plain)))
+            actions.extend(RemoveAction(f["path"], True, now, f["size_bytes"], partition_values)
+                           for f in small)
+        dt.create_write_transaction(actions, mode="append", schema=dt.schema(),
+                                    partition_by=list(spec.partition_by) or None)
+        return {"added": len(bins), "removed": len(actions) - len(bins)}
+
+    def table_filesystem(self, table: str, dt: DeltaTable) -> pa_fs.FileSystem:
+        """A filesystem rooted at the table's folder, where add-action paths are relative:
+        pyarrow's own on a local lake (delta-rs's routes every read through a Python
+        handler), Delta's handler with the lake's credentials on an object store."""
+        if self.is_local:
+            root = self.uri(table).removeprefix("file://")
+            return pa_fs.SubTreeFileSystem(str(Path(root).resolve()), pa_fs.LocalFileSystem())
+        return dt.to_pyarrow_dataset().filesystem
 
     def version(self, table: str) -> int:
         return self.refresh(table).version()
@@ -304,13 +349,7 @@ class Lake:
             dt = DeltaTable(
                 self.uri(table), version=version, storage_options=self.storage_options or None
             )
-        # On a local lake pyarrow reads the files itself; delta-rs's default filesystem
-        # routes every read through a Python handler.
-        local = (
-            pa_fs.SubTreeFileSystem(self.uri(table).removeprefix("file://"),
-                                    pa_fs.LocalFileSystem())
-            if self.is_local else None
-        )
+        local = self.table_filesystem(table, dt) if self.is_local else None
         dataset: ds.Dataset = dt.to_pyarrow_dataset(file_pruning_predicate=prune,
                                                     filesystem=local)
         return dataset.to_table(filter=filter, columns=columns)
@@ -336,6 +375,61 @@ def _writer_properties(spec: TableSpec) -> WriterProperties | None:
         return None
     blob = ColumnProperties(dictionary_enabled=False, statistics_enabled="NONE")
     return WriterProperties(column_properties={name: blob for name in spec.blob_columns})
+
+
+# A compacted file's size ceiling: files below it are compacted, in bins up to it.
+COMPACTED_FILE_BYTES = 64 * 1024 * 1024
+# Delta's own truncation length for string statistics: longer values get none here.
+STATS_STRING_CHARS = 32
+
+
+def compaction_bins(adds: pa.Table, partition_by: tuple[str, ...]
+                     ) -> list[tuple[dict[str, str | None], list[dict]]]:
+    """The table's small files (add actions), per partition, in bins of two files or more
+    and up to COMPACTED_FILE_BYTES together."""
+    columns = ["path", "size_bytes", *(f"partition.{c}" for c in partition_by)]
+    by_partition: dict[tuple, list[dict]] = {}
+    for add in adds.select(columns).to_pylist():
+        if add["size_bytes"] < COMPACTED_FILE_BYTES:
+            values = tuple(add[f"partition.{c}"] for c in partition_by)
+            by_partition.setdefault(values, []).append(add)
+    bins = []
+    for values, small in by_partition.items():
+        partition = {c: None if v is None else str(v)
+                     for c, v in zip(partition_by, values, strict=True)}
+        current: list[dict] = []
+        for add in small:
+            if current and sum(f["size_bytes"] for f in current) + add["size_bytes"] \
+                    > COMPACTED_FILE_BYTES:
+                bins.append((partition, current))
+                current = []
+            current.append(add)
+        bins.append((partition, current))
+    return [(partition, files) for partition, files in bins if len(files) > 1]
+
+
+def _file_stats(rows: pa.Table, columns: list[str]) -> str:
+    """The Delta statistics of a data file holding `rows`: readers prune files by them, so
+    only exact ones (integers, short strings; null counts of flat columns)."""
+    low: dict[str, Any] = {}
+    high: dict[str, Any] = {}
+    nulls: dict[str, int] = {}
+    for name in columns:
+        column = rows.column(name)
+        kind = column.type
+        if pa.types.is_nested(kind):
+            continue
+        nulls[name] = column.null_count
+        if not (pa.types.is_integer(kind) or pa.types.is_string(kind)) \
+                or column.null_count == len(column):
+            continue
+        bounds = pc.min_max(column).as_py()
+        if pa.types.is_string(kind) and max(len(bounds["min"]), len(bounds["max"])) \
+                > STATS_STRING_CHARS:
+            continue
+        low[name], high[name] = bounds["min"], bounds["max"]
+    return json.dumps({"numRecords": rows.num_rows, "minValues": low, "maxValues": high,
+                       "nullCount": nulls})
 
 
 def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int | None:

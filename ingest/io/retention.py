@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.io.lake import Lake
+from ingest.io.lake import Lake, compaction_bins
 from schemas.tables import TABLES, TRAINING_BATCHES
 
 # Tables replay and audit read; the others (prompt cursors, snapshots, sync marks) follow
@@ -151,11 +151,9 @@ class CompactResult:
         return f"{self.table}: compacted {self.removed} files into {self.added}"
 
 
-def compact(lake: Lake, *, dry_run: bool = False,
-            small_bytes: int = 100 * 1024 * 1024) -> list[CompactResult]:
-    """Compact every table's small files (Delta optimize). A dry run counts the files below
-    `small_bytes` (Delta's default target size) that share a partition with another one,
-    the files compaction would rewrite."""
+def compact(lake: Lake, *, dry_run: bool = False) -> list[CompactResult]:
+    """Compact every table's small files (`Lake.compact`). A dry run counts the files it
+    would rewrite: those below COMPACTED_FILE_BYTES that share a partition with another."""
     results = []
     for table in TABLES:
         if not lake.exists(table):
@@ -164,11 +162,7 @@ def compact(lake: Lake, *, dry_run: bool = False,
             done = lake.compact(table)
             results.append(CompactResult(table, done["added"], done["removed"]))
             continue
-        partitions: dict[tuple, int] = defaultdict(int)
-        columns = pa.table(lake.refresh(table).get_add_actions(flatten=True)).to_pydict()
-        keys = [n for n in columns if n.startswith("partition.")]
-        for i, size in enumerate(columns["size_bytes"]):
-            if size < small_bytes:
-                partitions[tuple(columns[k][i] for k in keys)] += 1
-        results.append(CompactResult(table, 0, sum(n for n in partitions.values() if n > 1)))
+        bins = compaction_bins(pa.table(lake.refresh(table).get_add_actions(flatten=True)),
+                               lake.spec(table).partition_by)
+        results.append(CompactResult(table, 0, sum(len(files) for _, files in bins)))
     return results

@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-from deltalake import DeltaTable
 
 from ingest.io.lake import Lake
 
@@ -66,18 +64,11 @@ class TableTail:
         if not fresh:
             return None
         if self._filesystem is None:
-            self._filesystem = self._table_filesystem(dt)
+            self._filesystem = self._lake.table_filesystem(self.table, dt)
         files = ds.dataset(fresh, schema=self._file_schema, format="parquet",
                            filesystem=self._filesystem)
         return files.to_table(columns=self.columns)
 
-    def _table_filesystem(self, dt: DeltaTable) -> pafs.FileSystem:
-        """A filesystem rooted at the table folder, where add-action paths are relative."""
-        if self._lake.is_local:
-            root = self._lake.uri(self.table).removeprefix("file://")
-            return pafs.SubTreeFileSystem(str(Path(root).resolve()), pafs.LocalFileSystem())
-        # Object stores: Delta's own handler, with the lake's credentials (built once).
-        return dt.to_pyarrow_dataset().filesystem
 
 @dataclass(slots=True)
 class SealedStep:

@@ -97,11 +97,15 @@ def test_concurrent_writers_of_one_table_lose_no_commit(s3_env):
     for thread in threads:
         thread.join()
     lake = _lake(s3_env, "concurrent")
-    got = lake.read(STEP_METRICS.name, columns=["key", "step"]).to_pylist()
-    assert sorted((r["key"], r["step"]) for r in got) == sorted(
-        (f"w{w}", n) for w in range(writers) for n in range(commits))
-    assert [lake.txn_version(STEP_METRICS.name, f"writer-{w}") for w in range(writers)] == [
-        commits - 1] * writers
+    for compacted in (False, True):  # then compacted on the object store: the same rows
+        got = lake.read(STEP_METRICS.name, columns=["key", "step"]).to_pylist()
+        assert sorted((r["key"], r["step"]) for r in got) == sorted(
+            (f"w{w}", n) for w in range(writers) for n in range(commits)), compacted
+        assert [lake.txn_version(STEP_METRICS.name, f"writer-{w}") for w in range(writers)] == [
+            commits - 1] * writers
+        if not compacted:
+            assert lake.compact(STEP_METRICS.name) == {"added": 1, "removed": writers * commits}
+            assert lake.active_files(STEP_METRICS.name) == 1
 
 
 def _publish(kafka: KafkaSettings, pause_s: float) -> None:
