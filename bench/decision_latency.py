@@ -4,8 +4,9 @@
 
 1. The latency run of bench/pipeline.py (DAPO-like groups of 8 x ~2k-token samples, one
    group every 50 ms, one events partition), then, per group, from the Delta logs: its
-   last event sent -> the `events` commit that archived it (group stage) -> the `samples`
-   commit holding its rows (batch stage) -> the `groups` commit holding its row.
+   last event sent -> the `events` commit that archived it (group stage) -> its decision
+   record sent (the record's CreateTime) -> the `samples` commit holding its rows (batch
+   stage) -> the `groups` commit holding its row.
    Commit times are the commits' own `commitInfo.timestamp`s, so the figures carry no
    reader's polling delay.
    Run with the batch stage's background compaction off (`--compact-every 0`) and at its
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from kafka import TopicPartition
 from pipeline import _spawn, _warm_up, stream
 
 from ingest.commands.simulate import SimulationConfig
@@ -33,6 +35,7 @@ from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.decisions import decision_header
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 
@@ -68,6 +71,24 @@ def first_commit_of_each_group(table: Path) -> dict[int, float]:
     return seen
 
 
+def decision_times(kafka: KafkaSettings) -> dict[int, float]:
+    """When the group stage sent each group's decision: the record's CreateTime, in s."""
+    consumer = kafka.consumer(group_id=None)
+    partition = TopicPartition(kafka.topics.decisions, 0)
+    consumer.assign([partition])
+    consumer.seek_to_beginning(partition)
+    end = consumer.end_offsets([partition])[partition]
+    sent: dict[int, float] = {}
+    while consumer.position(partition) < end:
+        for records in consumer.poll(timeout_ms=1000).values():
+            for record in records:
+                header = decision_header(record)
+                if header is not None and header.run_id == RUN:
+                    sent.setdefault(header.group_index, record.timestamp / 1000)
+    consumer.close()
+    return sent
+
+
 def percentiles(values: list[float]) -> str:
     p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1000
     return f"p50 {p50:4.0f}   p90 {p90:4.0f}   p99 {p99:4.0f} ms"
@@ -96,6 +117,7 @@ def hops(steps: int, compact_every: int) -> None:
                 sent[index] = time.time()
                 time.sleep(0.05)
         processor.wait(timeout=600)
+        published = decision_times(kafka)
     archive = Lake(str(root)).read("events", columns=["run_id", "group_index", "offset"])
     last_offset: dict[int, int] = {}
     for run_id, group, offset in zip(*(archive.column(c).to_pylist()
@@ -107,12 +129,14 @@ def hops(steps: int, compact_every: int) -> None:
     rows = []
     for group, at in sent.items():
         archived_at = next(t for mark, t in archived if mark >= last_offset[group])
-        rows.append((archived_at - at, samples[group] - archived_at,
-                     decided[group] - samples[group], decided[group] - at))
+        rows.append((archived_at - at, published[group] - archived_at,
+                     samples[group] - published[group], decided[group] - samples[group],
+                     decided[group] - at))
     print(f"--compact-every {compact_every}: {len(rows)} groups, one every 50 ms; ms from the "
           "group's last event sent")
     for name, column in zip(("sent -> events commit (group stage)",
-                             "events -> samples commit (to the batch stage)",
+                             "events commit -> decision sent (group stage)",
+                             "decision sent -> samples commit (batch stage)",
                              "samples -> groups commit", "total: sent -> groups row"),
                             zip(*rows, strict=True), strict=True):
         print(f"  {name:<48}{percentiles(list(column))}")
@@ -147,9 +171,11 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=1,
                         help="latency runs per setting, interleaved")
+    parser.add_argument("--compact-every", type=int, action="append",
+                        help="the settings to run (default: 0 and the processor's default)")
     args = parser.parse_args()
     for _ in range(args.rounds):
-        for compact_every in (0, COMPACT_EVERY):
+        for compact_every in args.compact_every or (0, COMPACT_EVERY):
             hops(args.steps, compact_every)
     growth(args.commits)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from ingest.core.decided import DecidedGroup, DecisionHeader, Opened, fragments_
 from ingest.core.ordering import OPENED, DecisionMerge
 from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.io.archive import archived_group
-from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
+from ingest.io.lake import Lake, TxnMark
 from ingest.processor.batch_snapshot import (
     BatchSnapshots,
     BatchState,
@@ -52,12 +53,13 @@ from schemas.errors import RolloutlakeError
 from schemas.tables import STEP_METRICS, STEPS
 
 log = logging.getLogger(__name__)
-COMPACTED_TABLES = ("samples", "groups", "steps", "step_metrics")
 
-# Commit order (see `_commit`). Every table filters by its own recorded offset, so the
-# order is not needed for correctness; it puts the seal first and `groups` last, so a
-# `groups` row never runs ahead of the batch it refers to.
+# Commit order (see `_commit`). Every table filters by its own recorded offset, and a
+# restart resumes at the snapshot written after them all, so the order is not needed for
+# correctness; it puts the seal first, so a `groups` row never runs ahead of the batch it
+# refers to. The rest (AUDIT_TABLES) commit side by side.
 TABLE_ORDER = ("training_batches", "steps", "samples", "step_metrics", "groups")
+AUDIT_TABLES = ("samples", "step_metrics", "groups")
 STEP_KEY = "rolloutlake.steps"
 
 
@@ -80,6 +82,10 @@ class _Pending:
 class BatchStage(Stage):
     """Consumer-group member on `rollout.decisions` (keyed by run: a run has one owner)."""
 
+    # Not training_batches (trainers read it at recorded versions, one commit per step) or
+    # dead_letters (raw messages, up to 8 MiB each, rare).
+    compacted_tables = ("samples", "groups", "steps", "step_metrics")
+
     def __init__(self, config: ProcessorConfig, lake: Lake):
         super().__init__(config, lake, topic=config.kafka.topics.decisions, role="batches")
         self.batchers: dict[str, RunBatcher] = {}
@@ -99,13 +105,14 @@ class BatchStage(Stage):
         self.restored: dict[int, Snapshot | None] = {}
         self.resumed_from: dict[int, int] = {}  # partition -> offset taken over at
         self.foreign: set[str] = set()  # other lakes whose records were skipped
-        # Tables written every poll, of small rows; not training_batches (trainers read
-        # it at recorded versions) or dead_letters (raw messages, up to 8 MiB each).
-        self.compaction = BackgroundCompaction(lake, COMPACTED_TABLES, config.compact_every)
+        # A Delta commit runs mostly in Rust, off the GIL: the audit tables' commits of a
+        # poll overlap, and a decision's `groups` row waits for one commit, not three.
+        self.committers = ThreadPoolExecutor(max_workers=len(AUDIT_TABLES),
+                                             thread_name_prefix="commit")
 
     def close(self, timeout_s: float | None = None) -> None:
         super().close(timeout_s)
-        self.compaction.close()
+        self.committers.shutdown(wait=True)
 
     # -- partition ownership ---------------------------------------------------------------
 
@@ -315,7 +322,7 @@ class BatchStage(Stage):
     # -- commit ----------------------------------------------------------------------------
 
     def _commit(self, pending: _Pending) -> None:
-        """Seal first (the trainer waits on it), then audit rows, metrics and `groups` last."""
+        """Seal first (the trainer waits on it), then samples, metrics and groups together."""
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
         published = {p: self._recorded("groups", p) for p in marks}
@@ -333,9 +340,12 @@ class BatchStage(Stage):
                                value=needed.model_dump_json().encode())
         if new_steps or demands:
             self.producer.flush()
-        self._write("samples", pending, marks)
-        self._write_metrics(pending, marks)
-        self._write("groups", pending, marks)
+        commits: list[Future[Any]] = [self.committers.submit(self._write, "samples", pending, marks),
+                   self.committers.submit(self._write_metrics, pending, marks),
+                   self.committers.submit(self._write, "groups", pending, marks)]
+        wait(commits)  # all of them, even when one fails, before anything else is written
+        for commit in commits:
+            commit.result()
         self.dead_letters.commit(
             [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
         )
@@ -344,7 +354,7 @@ class BatchStage(Stage):
     def _new_demands(self, pending: _Pending, published: dict[int, int | None]
                      ) -> list[tuple[str, StepDemand]]:
         """The poll's demands not published before a restart (their record is newer than
-        the `groups` rows committed then, `groups` being written last) and whose step is
+        the `groups` rows committed then, written after the demands are sent) and whose step is
         still open at the end of the poll."""
         out = []
         for run_id, partition, offset, demand in pending.demands:

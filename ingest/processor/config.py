@@ -43,10 +43,11 @@ class ProcessorConfig(BaseModel):
     """`rollout.decisions` records (decisions, notices, watermarks) between two snapshots
     of the batch stage's state (per partition): a restart replays at most this many."""
     compact_every: Annotated[int, Field(ge=0)] = 100
-    """Commits of the batch stage to one of its audit tables (samples, groups, steps,
-    step_metrics) between two compactions of that table's small files, in a background
-    thread; 0 never. A Delta append costs time in proportion to the files a table holds,
-    so without it a long run's commits, and with them its decisions, slow down."""
+    """Commits of a stage to a table it appends to every poll (the group stage: events;
+    the batch stage: samples, groups, steps, step_metrics) between two compactions of that
+    table's small files, in a background thread; 0 never. A Delta append costs time in
+    proportion to the files a table holds, so without it a long run's commits, and with
+    them its decisions, slow down."""
     broker_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """How long the processor retries a broker it lost before it exits non-zero."""
     join_timeout_s: Annotated[float, Field(gt=0)] = 120.0

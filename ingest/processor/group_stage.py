@@ -134,6 +134,10 @@ class _Batch:
 class GroupStage(Stage):
     """Consumer-group member on `rollout.events`; owns the groups of its partitions."""
 
+    # The archive gets a commit every poll: uncompacted, its appends (and every decision
+    # behind them) slow down as a long run's files accumulate.
+    compacted_tables = ("events",)
+
     def __init__(self, config: ProcessorConfig, lake: Lake):
         super().__init__(config, lake, topic=config.kafka.topics.events, role="groups")
         self.pending: dict[GroupKey, _Pending] = {}

@@ -16,7 +16,7 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
 
 from ingest.io.kafka import fetch_position, subscribe_once_listed
-from ingest.io.lake import Lake
+from ingest.io.lake import BackgroundCompaction, Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
 from ingest.processor.health import (
@@ -56,9 +56,13 @@ class TopicUnreadableError(RolloutlakeError):
 class Stage(ConsumerRebalanceListener):
     """Subclasses implement `_take_over`, `_release`, `_new_batch`, `_handle`, `_commit`."""
 
+    # The tables the stage appends to every poll, kept few-files by BackgroundCompaction.
+    compacted_tables: tuple[str, ...] = ()
+
     def __init__(self, config: ProcessorConfig, lake: Lake, *, topic: str, role: str):
         self.config = config
         self.lake = lake
+        self.compaction = BackgroundCompaction(lake, self.compacted_tables, config.compact_every)
         # Which lake this is, as the decisions records name it (decisions.LAKE)
         self.lake_id = str(lake.refresh("events").metadata().id)
         self.topics = config.kafka.topics
@@ -465,6 +469,7 @@ class Stage(ConsumerRebalanceListener):
         self.consumer.close(timeout_ms=timeout_ms)
         self.runs.close()
         self.producer.close(timeout=timeout_s)
+        self.compaction.close()
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         raise NotImplementedError
