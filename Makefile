@@ -42,12 +42,13 @@ demo-simulate: install
 	$(VENV)/bin/rolloutlake demo --simulate
 
 # Three pytest workers: most tests wait on brokers, engines and group joins rather than the
-# CPU; by file, so a module's engine and lake fixtures stay in one worker.
+# CPU; by file, so a module's engine and lake fixtures stay in one worker. The slowest
+# tests are listed at the end: the suite must stay well inside CI's 30 minutes.
 test: install kafka-jars engine
 	sh deploy/install-test-deps.sh
 	$(PY) -m ruff check schemas ingest gateway trainer tests bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 3 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile --durations=25
 
 # The whole loop and the worker's engine tests on a real SGLang server. The install script
 # comes first: without a CUDA GPU it stops at once with one line, before anything installs.
