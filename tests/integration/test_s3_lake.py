@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import boto3
 import orjson
@@ -122,14 +123,22 @@ def _publish(kafka: KafkaSettings, pause_s: float) -> None:
             time.sleep(pause_s)
 
 
-def _instance(kafka: KafkaSettings, lake: str, env: dict[str, str], until_idle: float | None):
+def _instance(kafka: KafkaSettings, lake: str, env: dict[str, str], until_idle: float | None,
+              log: Path) -> subprocess.Popen:
+    """A processor instance whose stderr goes to `log` (a pipe nobody reads could fill and
+    block it)."""
     cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
            kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
            "--event-partitions", "1", "--consumer-group", f"{kafka.topic_prefix}s3-pair"]
     if until_idle is not None:
         cmd += ["--until-idle", str(until_idle)]
-    return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    with log.open("ab") as stderr:
+        return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                stderr=stderr)
+
+
+def _tails(*logs: Path) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
 
 
 def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
@@ -148,30 +157,33 @@ def test_two_instances_on_an_s3_lake_write_exactly_once(broker, s3_env, tmp_path
     lake_root = f"s3://{BUCKET}/pair"
     streaming = threading.Thread(target=_publish, args=(kafka, 0.05))
     streaming.start()
-    first = _instance(kafka, lake_root, s3_env, None)
-    second = _instance(kafka, lake_root, s3_env, None)
+    logs = [tmp_path / f"{name}.log" for name in ("first", "second", "first-again", "last")]
+    first = _instance(kafka, lake_root, s3_env, None, logs[0])
+    second = _instance(kafka, lake_root, s3_env, None, logs[1])
     time.sleep(8)
     # One instance dies mid-run; the other takes its partitions, then it comes back in
     # the same consumer group.
-    assert first.poll() is None, first.stderr.read().decode()[-2000:]
+    assert first.poll() is None, _tails(logs[0])
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     time.sleep(4)
-    first = _instance(kafka, lake_root, s3_env, 8.0)
+    first = _instance(kafka, lake_root, s3_env, 8.0, logs[2])
     streaming.join()
     second.send_signal(signal.SIGTERM)
-    assert second.wait(timeout=120) == 0, second.stderr.read().decode()[-2000:]
-    assert first.wait(timeout=240) == 0, first.stderr.read().decode()[-2000:]
+    assert second.wait(timeout=120) == 0, _tails(logs[1])
+    assert first.wait(timeout=240) == 0, _tails(logs[2])
     # A last pass in the same group picks up whatever the pair left when it stopped.
-    last = _instance(kafka, lake_root, s3_env, 4.0)
-    assert last.wait(timeout=240) == 0, last.stderr.read().decode()[-2000:]
-    assert b"Traceback" not in last.stderr.read()
+    last = _instance(kafka, lake_root, s3_env, 4.0, logs[3])
+    assert last.wait(timeout=240) == 0, _tails(logs[3])
+    assert "Traceback" not in logs[3].read_text()
 
     reference, got = Lake(reference_root), _lake(s3_env, "pair")
     assert_keys_once(got)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
     assert len(_table(reference, "steps", steps)) == SIM.steps
-    assert _table(got, "steps", steps) == _table(reference, "steps", steps)
+    assert _table(got, "steps", steps) == _table(reference, "steps", steps), (
+        "dead letters: " + repr(sorted(set(got.read("dead_letters").column("error").to_pylist())))
+        + "\n" + _tails(*logs))
     decisions = ["group_index", "decision", "reason", "batch_step"]
     assert _table(got, "groups", decisions) == _table(reference, "groups", decisions)
     assert _table(got, "events", ["event_id"]) == _table(reference, "events", ["event_id"])
