@@ -197,6 +197,12 @@ class BatchStage(Stage):
             self.runs.catch_up()
             self._runs_caught_up = True
             config = self.runs.get(run_id)
+            if config is None:
+                # A group stage saves a run's config to the lake before it decides any of
+                # its groups, so a decision's config is there even when this stage's
+                # reader of the runs topic is behind (a stalled fetch, a slow broker).
+                self.runs.load(self.lake)
+                config = self.runs.get(run_id)
         if config is None:
             return None
         batcher = self.batchers.get(run_id)

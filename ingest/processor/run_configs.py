@@ -49,7 +49,7 @@ class RunConfigs:
         self._unsaved: list[dict[str, Any]] = []
         self._saved: dict[int, int | None] = {}  # partition -> recorded offset
         if lake is not None:
-            self._load(lake)
+            self.load(lake)
         self._kafka = kafka
         self._tps: list[TopicPartition] = []
         self._consumer = self._reader({})
@@ -70,14 +70,18 @@ class RunConfigs:
                 consumer.seek(tp, offset)
         return consumer
 
-    def _load(self, lake: Lake) -> None:
+    def load(self, lake: Lake) -> None:
+        """The configs of the lake's `runs` table (the latest saved one per run), for the
+        runs not read yet: one read from the topic is at least as new."""
         saved = lake.read("runs", columns=["run_id", "config", "dataset", "ingested_at",
                                            "offset"])
+        known = set(self.configs)
         for run_id, config, dataset, _, _ in sorted(zip(
             *(saved.column(c).to_pylist() for c in saved.column_names), strict=True
         ), key=lambda row: (row[3], row[4])):
-            self.configs[run_id] = RunConfig.model_validate_json(config)
-            self.datasets[run_id] = dataset
+            if run_id not in known:
+                self.configs[run_id] = RunConfig.model_validate_json(config)
+                self.datasets[run_id] = dataset
 
     def refresh(self, timeout_ms: int = 0) -> bool:
         """Read whatever arrived; True when anything new was read."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 import uuid
 
@@ -16,12 +17,21 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.main import Processor
 from ingest.processor.run_configs import RunConfigs
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import RolloutlakeError
 from schemas.events import event_group_key
 from schemas.tables import BATCH_STATE
-from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+from tests.integration.pipeline import (
+    by_group,
+    event,
+    ordered_kafka,
+    publish,
+    rows,
+    run_processor,
+    sample,
+)
 
 SIM = SimulationConfig(
     run_id="snap", steps=8, rollout_batch_size=3, n_samples=2, response_len_mean=8,
@@ -151,6 +161,40 @@ def test_run_configs_outlive_the_runs_topic(broker, tmp_path):
     decided = {r["group_index"]: r["decision"] for r in rows(lake_root, "groups", "r")}
     assert decided == {0: "kept", 1: "kept"}
     assert [r["error"] for r in rows(lake_root, "dead_letters")] == []
+
+
+def test_a_batch_stage_behind_on_the_runs_topic_takes_a_decisions_config_from_the_lake(
+        broker, tmp_path):
+    """A batch stage whose reader of the runs topic lacks a run's config (a stalled fetch,
+    a slow broker; here: the config was published on another deployment's runs topic and
+    reached this lake after the stage started) gets a decision of that run: its group stage
+    saved the config to the lake before deciding, so the decision is applied, not
+    dead-lettered as one without run_started."""
+    lake_root = str(tmp_path / "lake")
+    config = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
+    elsewhere = ordered_kafka(broker.bootstrap_servers, f"cfg-c{uuid.uuid4().hex[:8]}.")
+    here = ordered_kafka(broker.bootstrap_servers, f"cfg-d{uuid.uuid4().hex[:8]}.")
+    batches = Processor(ProcessorConfig(kafka=here, lake=lake_root, until_idle_s=4.0,
+                                        stages="batches"))
+    running = threading.Thread(target=batches.run)
+    running.start()
+    deadline = time.monotonic() + 60
+    while not all(stage.joined for stage in batches.stages):
+        assert time.monotonic() < deadline and running.is_alive(), "the batch stage did not join"
+        time.sleep(0.1)
+    # The run's config reaches the lake (its runs table) but never this runs topic.
+    publish(elsewhere, "r", config, [])
+    run_processor(elsewhere, lake_root, idle_s=1.0, stages="groups")
+    assert [r["run_id"] for r in rows(lake_root, "runs")] == ["r"]
+    publish(here, "r", None, [event("group_started", "r", group_index=0, step=0, n_samples=2),
+                              sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
+    run_processor(here, lake_root, idle_s=1.0, stages="groups")
+    running.join(timeout=120)
+    assert not running.is_alive()
+    assert [r["error"] for r in rows(lake_root, "dead_letters")] == []
+    assert {g: (d["decision"], d["batch_step"]) for g, d in by_group(lake_root, "r").items()} \
+        == {0: ("kept", 0)}
+    assert [r["step"] for r in rows(lake_root, "steps", "r")] == [0]
 
 
 HELD = SimulationConfig(
