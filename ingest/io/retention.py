@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake.exceptions import CommitFailedError
 
 from ingest.io.lake import Lake, compaction_bins
 from schemas.tables import TABLES, TRAINING_BATCHES
@@ -144,10 +145,14 @@ class CompactResult:
     table: str
     added: int
     removed: int
+    raced: bool = False  # another writer rewrote or removed some of the files meanwhile
 
     def line(self, *, dry_run: bool) -> str:
         if dry_run:
             return f"{self.table}: would compact {self.removed} small files"
+        if self.raced:
+            return (f"{self.table}: not compacted: another writer (a running processor's "
+                    "compaction?) changed the same files meanwhile; run again")
         return f"{self.table}: compacted {self.removed} files into {self.added}"
 
 
@@ -159,7 +164,11 @@ def compact(lake: Lake, *, dry_run: bool = False) -> list[CompactResult]:
         if not lake.exists(table):
             continue
         if not dry_run:
-            done = lake.compact(table)
+            try:
+                done = lake.compact(table)
+            except CommitFailedError:
+                results.append(CompactResult(table, 0, 0, raced=True))
+                continue
             results.append(CompactResult(table, done["added"], done["removed"]))
             continue
         bins = compaction_bins(pa.table(lake.refresh(table).get_add_actions(flatten=True)),

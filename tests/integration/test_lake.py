@@ -15,6 +15,7 @@ from deltalake.exceptions import CommitFailedError
 from pydantic import BaseModel, ValidationError
 
 from ingest.io.lake import BackgroundCompaction, Lake, LakePath, TxnMark
+from ingest.io.retention import compact
 from schemas.errors import ConfigError
 from schemas.tables import EVENTS, GROUPS, SAMPLES, STEP_METRICS
 
@@ -156,6 +157,27 @@ def test_two_compactions_of_the_same_files_at_once_keep_every_row_once(tmp_path)
         groups = Lake(root).read("groups", columns=["group_index"]).column(0).to_pylist()
         assert sorted(groups) == list(range(2 + 6 * (round_ + 1))), f"round {round_}"
     assert failed, "the two compactions never overlapped: the test proved nothing"
+
+
+def test_lake_optimize_beside_a_compaction_of_the_same_files_says_to_run_again(tmp_path):
+    """`rolloutlake lake optimize` while a processor compacts the same table: a compaction
+    that loses is one line saying so (no traceback), and the rows stay once."""
+    root = str(tmp_path / "lake")
+    said: list[str] = []
+    for round_ in range(20):
+        _one_row_groups(Lake(root), 6, first=6 * round_)
+        start = threading.Barrier(2)
+        with ThreadPoolExecutor(1) as pool:
+            processor = pool.submit(_compact_at_once, Lake(root), start)
+            start.wait()
+            said.extend(r.line(dry_run=False) for r in compact(Lake(root)))
+            processor.result()
+        groups = Lake(root).read("groups", columns=["group_index"]).column(0).to_pylist()
+        assert sorted(groups) == list(range(6 * (round_ + 1))), f"round {round_}"
+        if any("not compacted" in line for line in said):
+            break
+    assert ("groups: not compacted: another writer (a running processor's compaction?) "
+            "changed the same files meanwhile; run again") in said
 
 
 def test_compacted_files_prune_reads_by_their_statistics_and_keep_partitions(tmp_path):
