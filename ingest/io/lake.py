@@ -464,6 +464,9 @@ class BackgroundCompaction:
         self.compactor = Lake(lake.root, lake.storage_options)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
         self.running: dict[str, Future[None]] = {}
+        # Tables whose turn came again while they were being compacted: once more right
+        # after, or a table appended to faster than it compacts keeps growing.
+        self.again: set[str] = set()
         if every:
             lake.after_commit = self.committed
 
@@ -471,17 +474,25 @@ class BackgroundCompaction:
         if table not in self.tables:
             return
         self.commits[table] += 1
+        if self.commits[table] % self.every:
+            return
         running = self.running.get(table)
-        if self.commits[table] % self.every or (running is not None and not running.done()):
+        if running is not None and not running.done():
+            self.again.add(table)
             return
         self.running[table] = self.pool.submit(self._compact, table)
 
     def _compact(self, table: str) -> None:
-        try:
-            self.compactor.compact(table)
-        except (DeltaError, OSError) as err:
-            log.warning("compacting %s's small files failed (%s); trying again after %d "
-                        "more commits", table, err, self.every)
+        while True:
+            self.again.discard(table)
+            try:
+                self.compactor.compact(table)
+            except (DeltaError, OSError) as err:
+                log.warning("compacting %s's small files failed (%s); trying again after %d "
+                            "more commits", table, err, self.every)
+                return
+            if table not in self.again:
+                return
 
     def close(self) -> None:
         """Wait for a compaction in progress (a cut one would leave only orphan files)."""

@@ -110,7 +110,7 @@ def test_background_compaction_keeps_a_tables_files_few_and_its_rows_and_marks(t
     """A Delta append costs time in proportion to the files a table holds; the batch stage
     compacts its audit tables every `every` commits while it goes on committing."""
     compacted, plain = Lake(str(tmp_path / "compacted")), Lake(str(tmp_path / "plain"))
-    compaction = BackgroundCompaction(compacted, ["groups"], every=10)
+    compaction = BackgroundCompaction(compacted, ["groups"], every=5)
     BackgroundCompaction(plain, ["groups"], every=0)
     for lake in (compacted, plain):
         _one_row_groups(lake, 25)
@@ -120,7 +120,9 @@ def test_background_compaction_keeps_a_tables_files_few_and_its_rows_and_marks(t
             schema=SAMPLES.schema))
     compaction.close()
     assert plain.active_files("groups") == 25
-    assert compacted.active_files("groups") <= 6  # two compactions, then 5 appends
+    # The last commit was a turn: compacted after it, even when the one before was still
+    # running then (appends outpace compactions, the more so on a loaded machine).
+    assert compacted.active_files("groups") == 1
     assert compacted.active_files("samples") == plain.active_files("samples") == 1
     for lake in (compacted, plain):
         groups = lake.read("groups", columns=["group_index"]).column("group_index").to_pylist()
