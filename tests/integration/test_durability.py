@@ -166,8 +166,8 @@ def test_a_batch_stage_behind_on_the_runs_topic_takes_a_decisions_config_from_th
     config = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
     elsewhere = ordered_kafka(broker.bootstrap_servers, f"cfg-c{uuid.uuid4().hex[:8]}.")
     here = ordered_kafka(broker.bootstrap_servers, f"cfg-d{uuid.uuid4().hex[:8]}.")
-    batches = Processor(ProcessorConfig(kafka=here, lake=lake_root, until_idle_s=4.0,
-                                        stages="batches"))
+    # No idle timer: the two group-stage runs below each wait for a consumer-group join.
+    batches = Processor(ProcessorConfig(kafka=here, lake=lake_root, stages="batches"))
     running = threading.Thread(target=batches.run)
     running.start()
     deadline = time.monotonic() + 60
@@ -181,6 +181,7 @@ def test_a_batch_stage_behind_on_the_runs_topic_takes_a_decisions_config_from_th
     publish(here, "r", None, [event("group_started", "r", group_index=0, step=0, n_samples=2),
                               sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
     run_processor(here, lake_root, idle_s=1.0, stages="groups")
+    batches.drain()  # the decision is on its topic: finish it, then stop
     running.join(timeout=120)
     assert not running.is_alive()
     assert [r["error"] for r in rows(lake_root, "dead_letters")] == []
