@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 
 # Commit order (see `_commit`). Every table filters by its own recorded offset, and a
 # restart resumes at the snapshot written after them all, so the order is not needed for
-# correctness; it puts the seal first, so a `groups` row never runs ahead of the batch it
-# refers to. The rest (AUDIT_TABLES) commit side by side.
+# correctness. Within a seal, `steps` follows `training_batches`, so a step a reader sees
+# has its whole batch. AUDIT_TABLES commit beside the seals, not after them: a `groups`
+# row can show a step a moment before the `steps` row, never a batch that is incomplete.
 TABLE_ORDER = ("training_batches", "steps", "samples", "step_metrics", "groups")
 AUDIT_TABLES = ("samples", "step_metrics", "groups")
 STEP_KEY = "rolloutlake.steps"
@@ -109,14 +110,29 @@ class BatchStage(Stage):
         # poll overlap, and a decision's `groups` row waits for one commit, not three.
         self.committers = ThreadPoolExecutor(max_workers=len(AUDIT_TABLES),
                                              thread_name_prefix="commit")
+        # A step's seal (~100 ms: its whole batch) runs on a thread of its own, one seal
+        # after the other, while the next polls' decisions get their audit rows: those
+        # would otherwise wait the seal out (the tail of a decision's latency).
+        self.sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seal")
+        self.sealing: Future[None] | None = None
 
     def close(self, timeout_s: float | None = None) -> None:
+        # A failed seal was raised by the poll or flush after it, or the processor is
+        # stopping on another error: no snapshot passed it, so the next run seals again.
+        if self.sealing is not None and (error := self.sealing.exception()) is not None:
+            log.error("a step's seal failed on the way out (%s): the next run seals it", error)
         super().close(timeout_s)
         self.committers.shutdown(wait=True)
+        self.sealer.shutdown(wait=True)
 
     # -- partition ownership ---------------------------------------------------------------
 
     def _release(self, partitions: set[int]) -> None:
+        # A seal committed after a new owner took the partition over would add its rows
+        # a second time: that owner skips only what the lake recorded when it took over.
+        # (A failure is raised by the next poll: this runs inside the client's poll.)
+        if self.sealing is not None:
+            wait([self.sealing])
         for run_id in [r for r, p in self.run_partition.items() if p in partitions]:
             self.batchers.pop(run_id, None)
             self.awaiting_config.pop(run_id, None)
@@ -176,6 +192,11 @@ class BatchStage(Stage):
         return decision_fingerprint(record)
 
     def _snapshot(self, partitions: Iterable[int]) -> None:
+        partitions = list(partitions)
+        if not partitions:
+            return
+        # A restart resumes after the snapshot: every seal up to it must be in the lake.
+        self._sealed()
         self.snapshots.save({
             p: (self.last_records[p], BatchState(
                 {r: b for r, b in self.batchers.items() if self.run_partition.get(r) == p},
@@ -324,31 +345,32 @@ class BatchStage(Stage):
         for run_id, batcher in self.batchers.items():
             self._collect(run_id, self.run_partition[run_id], -1, batcher.flush(), pending)
         self._commit(pending)
+        self._sealed()
 
     # -- commit ----------------------------------------------------------------------------
 
     def _commit(self, pending: _Pending) -> None:
-        """Seal first (the trainer waits on it), then samples, metrics and groups together."""
+        """Samples, metrics and groups side by side, the poll's seal (if any) handed to the
+        sealer; demands go out first: a restart resends those newer than the `groups` rows.
+        A seal that failed fails the poll after it."""
+        if self.sealing is not None and self.sealing.done():
+            self._sealed()  # raises a seal's error: nothing is committed after it
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
         published = {p: self._recorded("groups", p) for p in marks}
-        batch_version = self._write("training_batches", pending, marks)
-        new_steps = self._write_steps(pending, batch_version, marks)
-        for run_id, step, sealed_at in new_steps:
-            sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
-            self.producer.send(self.topics.control, key=run_id.encode(),
-                               value=sealed.model_dump_json().encode())
         demands = self._new_demands(pending, published)
         for run_id, demand in demands:
             needed = Demand(run_id=run_id, step=demand.step, groups_needed=demand.groups_needed,
                             kept=demand.kept, in_flight=demand.in_flight, issued=demand.issued)
             self.producer.send(self.topics.control, key=run_id.encode(),
                                value=needed.model_dump_json().encode())
-        if new_steps or demands:
+        if demands:
             self.producer.flush()
         commits: list[Future[Any]] = [self.committers.submit(self._write, "samples", pending, marks),
                    self.committers.submit(self._write_metrics, pending, marks),
                    self.committers.submit(self._write, "groups", pending, marks)]
+        if pending.rows.get("training_batches") or pending.sealed:
+            self.sealing = self.sealer.submit(self._seal, self.sealing, pending, marks)
         wait(commits)  # all of them, even when one fails, before anything else is written
         for commit in commits:
             commit.result()
@@ -356,6 +378,27 @@ class BatchStage(Stage):
             [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
         )
         self._snapshot([p for p, o in marks.items() if self.snapshots.due(p, o)])
+
+    def _sealed(self) -> None:
+        """Wait for the seals handed to the sealer; raises a failed one's error, at every
+        call (each seal after it fails too)."""
+        if self.sealing is not None:
+            self.sealing.result()
+
+    def _seal(self, previous: Future[None] | None, pending: _Pending,
+              marks: dict[int, int]) -> None:
+        """`training_batches`, then `steps`, then `step_sealed`; never after a seal that
+        failed: its offsets would be marked as written without its rows."""
+        if previous is not None:
+            previous.result()
+        batch_version = self._write("training_batches", pending, marks)
+        new_steps = self._write_steps(pending, batch_version, marks)
+        for run_id, step, sealed_at in new_steps:
+            sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
+            self.producer.send(self.topics.control, key=run_id.encode(),
+                               value=sealed.model_dump_json().encode())
+        if new_steps:
+            self.producer.flush()
 
     def _new_demands(self, pending: _Pending, published: dict[int, int | None]
                      ) -> list[tuple[str, StepDemand]]:
@@ -446,4 +489,4 @@ class BatchStage(Stage):
     @property
     def idle(self) -> bool:
         held = any(len(merge) for merge in self.merges.values())
-        return super().idle and not held
+        return super().idle and not held and (self.sealing is None or self.sealing.done())

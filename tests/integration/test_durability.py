@@ -309,3 +309,85 @@ def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_pa
     assert decided == {0: ("surplus", None), 1: ("kept", 0)}
     issued = {(r["step"], r["key"]): r["value"] for r in rows(lake_root, "step_metrics", run)}
     assert issued[(0, "rollout/prompts_issued")] == 2.0
+
+
+class _FirstSealFails(Lake):
+    """A lake whose first `training_batches` commit hangs until `release` is set, then
+    fails (a full disk, an S3 outage)."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.release = threading.Event()
+        self.failing = False
+
+    def append(self, table, rows, marks=()):
+        if table == "training_batches" and not self.failing:
+            self.failing = True
+            self.release.wait(timeout=60)
+            raise OSError("no space left on device")
+        return super().append(table, rows, marks)
+
+
+@pytest.mark.parametrize("snapshot_every", [7, 100_000], ids=["snapshots due", "seals only"])
+def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
+        broker, tmp_path, snapshot_every):
+    """The seal of a step commits beside later polls. When it fails, no later seal and no
+    snapshot may pass it: the offsets of either would mark its rows as written, and the
+    restart would skip them (its steps then have no batch)."""
+    groups = list(open_loop_groups(SIM))
+    half = len(groups) // 2
+    kafka = ordered_kafka(broker.bootstrap_servers, f"seal{uuid.uuid4().hex[:8]}.")
+    lake_root, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    _publish_groups(kafka, groups[:half], with_run=True)
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups")
+
+    config = ProcessorConfig(kafka=kafka, lake=lake_root,
+                             consumer_group=f"{kafka.topic_prefix}failing",
+                             snapshot_every=snapshot_every, max_poll_records=10)
+    lake = _FirstSealFails(lake_root)
+    stage = BatchStage(config, lake)
+    failures: list[BaseException] = []
+
+    def poll_until_it_fails() -> None:
+        try:
+            while True:
+                stage.poll_once()
+        except BaseException as error:
+            failures.append(error)
+
+    polling = threading.Thread(target=poll_until_it_fails)
+    polling.start()
+    deadline = time.monotonic() + 60
+    while not (lake.failing and stage.sealing is not None):  # the first half's steps
+        assert time.monotonic() < deadline and polling.is_alive(), "nothing was sealed"
+        time.sleep(0.01)
+    first_seal = stage.sealing
+    # The second half's decisions arrive while that seal hangs: a stage that polls on
+    # (no snapshot due) seals their steps next.
+    _publish_groups(kafka, groups[half:], with_run=False)
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups")
+    deadline = time.monotonic() + 5
+    while stage.sealing is first_seal and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lake.release.set()
+    polling.join(timeout=60)
+    assert [type(e) for e in failures] == [OSError]
+    stage.close()
+    assert rows(lake_root, "training_batches", SIM.run_id) == []
+    assert rows(lake_root, "steps", SIM.run_id) == []
+
+    shutil.copytree(lake_root, reference)  # before the restart: the same decisions
+    second = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
+                           consumer_group=f"{kafka.topic_prefix}failing")
+    assert not second.errors
+    run_processor(kafka, reference, idle_s=1.5, stages="batches",
+                  consumer_group=f"{kafka.topic_prefix}ref")
+    ref, restarted = Lake(reference), Lake(lake_root)
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(_table(ref, "steps", steps)) == SIM.steps
+    assert _table(restarted, "steps", steps) == _table(ref, "steps", steps)
+    fragments = ["step", "position", "group_index", "rollout_id", "fragment_index"]
+    assert (_table(restarted, "training_batches", fragments)
+            == _table(ref, "training_batches", fragments))
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    assert _table(restarted, "groups", decisions) == _table(ref, "groups", decisions)
