@@ -348,14 +348,16 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
     stage = BatchStage(config, lake)
     failures: list[BaseException] = []
 
+    gives_up_at = time.monotonic() + 120  # a stage that never fails ends too
+
     def poll_until_it_fails() -> None:
         try:
-            while True:
+            while time.monotonic() < gives_up_at:
                 stage.poll_once()
         except BaseException as error:
             failures.append(error)
 
-    polling = threading.Thread(target=poll_until_it_fails)
+    polling = threading.Thread(target=poll_until_it_fails, daemon=True)
     polling.start()
     deadline = time.monotonic() + 60
     while not (lake.failing and stage.sealing is not None):  # the first half's steps
