@@ -87,6 +87,27 @@ def subscribe_once_listed(consumer: KafkaConsumer, topic: str, listener: Any = N
     consumer._coordinator._handle_metadata_update(consumer._client.cluster)
 
 
+def poll_in_group(consumer: KafkaConsumer, timeout_ms: int, *, join_wait_ms: int) -> dict:
+    """`consumer.poll(timeout_ms)`, a join of its group that is due or in flight first
+    waited out for up to `join_wait_ms`; a poll that completes a join returns nothing, so
+    that the caller takes over its new partitions before it waits for their records.
+
+    kafka-python 3.0.12 runs a join (JoinGroup, then SyncGroup) as a task that a poll
+    whose time is up leaves in flight; when the task completes before the next poll,
+    that poll finds it done, throws its assignment away and joins again. On Tansu, which
+    holds every JoinGroup for half the session timeout, that costs a second at least, and
+    a member whose polls are short beside the work between them (a busy stage, a starved
+    machine) can lose join after join and never be assigned. A join that ends inside one
+    long wait is never lost. While the coordinator is unknown (a broker outage) the poll
+    keeps its own short timeout.
+    """
+    coordinator = consumer._coordinator
+    if not coordinator.coordinator_unknown() and coordinator.need_rejoin():
+        if coordinator.ensure_active_group(timeout_ms=join_wait_ms):
+            return {}
+    return consumer.poll(timeout_ms=timeout_ms)
+
+
 def key_partition(key: bytes, partitions: int) -> int:
     """The partition a key belongs on (CONTRACT section 1): murmur2, as the Java client and
     kafka-python compute it, and as librdkafka's `partitioner=murmur2_random` does."""

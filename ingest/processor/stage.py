@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
 
-from ingest.io.kafka import fetch_position, subscribe_once_listed
+from ingest.io.kafka import fetch_position, poll_in_group, subscribe_once_listed
 from ingest.io.lake import BackgroundCompaction, Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
@@ -154,7 +154,9 @@ class Stage(ConsumerRebalanceListener):
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
         try:
-            polled = self.consumer.poll(timeout_ms=self.config.poll_timeout_ms)
+            # A join gets up to the session timeout: Tansu answers it after half of that.
+            polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
+                                   join_wait_ms=self.session_timeout_ms)
         except InvalidSessionTimeoutError:
             self._rejoin_with_longer_session_timeout()
             return 0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 import pytest
+from kafka import ConsumerRebalanceListener
 
 from ingest.io.broker import free_port
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
 from ingest.processor.batch_stage import BatchStage
@@ -66,6 +68,50 @@ def test_a_new_member_is_assigned_every_partition_once_and_keeps_them(kafka, lak
     assert stage.joined, f"no partitions of {topic} assigned within 60 s: {assignments}"
     assert assignments == [set(range(partitions))]
     assert revoked_while_running == []
+
+
+class _Joins(logging.Handler):
+    """Counts kafka-python's "Successfully joined group" lines: one per completed join."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completed = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.completed += record.getMessage().startswith("Successfully joined group")
+
+
+def test_a_join_that_completes_between_two_short_polls_is_kept(kafka):
+    """A member whose polls are short beside the work between them, as a busy stage's
+    are: kafka-python drops a join that completed outside a poll and joins again (half
+    the session timeout each time on Tansu), so such a member can stay unassigned."""
+    assigned: list[set[int]] = []
+
+    class Recorder(ConsumerRebalanceListener):
+        def on_partitions_assigned(self, partitions):
+            assigned.append({tp.partition for tp in partitions})
+
+        def on_partitions_revoked(self, partitions):
+            pass
+
+    joins, coordinator_log = _Joins(), logging.getLogger("kafka.coordinator")
+    level = coordinator_log.level
+    coordinator_log.addHandler(joins)
+    coordinator_log.setLevel(logging.INFO)
+    consumer = kafka.consumer(group_id=f"joins-{uuid.uuid4().hex[:8]}", session_timeout_ms=6000)
+    try:
+        subscribe_once_listed(consumer, kafka.topics.events, Recorder(), timeout_s=10)
+        deadline = time.monotonic() + 30
+        while not assigned and time.monotonic() < deadline:
+            poll_in_group(consumer, 1, join_wait_ms=6000)
+            time.sleep(0.05)  # the work of a stage between two polls
+    finally:
+        consumer.close()
+        coordinator_log.removeHandler(joins)
+        coordinator_log.setLevel(level)
+    assert assigned == [set(range(kafka.event_partitions))], \
+        f"assignments {assigned} after {joins.completed} completed joins"
+    assert joins.completed == 1
 
 
 def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
