@@ -11,10 +11,17 @@ Order. Everything the batch stage applies carries an `OrderKey`: the event time 
 archived event that produced it (a group's `group_started` for its `opened` notice, the
 completing event for a decision, first event + `group_timeout_s` for a timeout), then
 that event's partition and offset (-1 for a timeout), then kind, run and group. Along one
-partition keys grow with offsets (so with one partition the order is the offset order),
-and once every events partition's watermark has passed a key's time, no item with a
-smaller key can still come: `DecisionMerge` applies items in key order at that moment.
-Replay sorts the same keys.
+partition keys grow with offsets (so with one partition the order is the offset order).
+
+Watermarks. The group stage tells the batch stage how far each events partition has come
+with a `Bound`: (its watermark, the partition, the offset after the last record it
+processed there). Every item it can still send for that partition has a key whose
+(time, partition, offset) is at or after that bound: later records have later offsets and
+times at or after the watermark, and a timeout comes due only once the watermark has
+passed its deadline. An item whose (time, partition, offset) is below every partition's
+bound can have no item before it still to come: `DecisionMerge` applies items in key
+order at that moment, a decision as soon as the watermark sent after it arrives (its own
+record's offset is below that bound). Replay sorts the same keys.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ def micros(seconds: float) -> int:
     return round(seconds * 1_000_000)
 
 
+# (event time, events partition, offset): where an item or a watermark stands.
+Bound = tuple[int, int, int]
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class OrderKey:
     at_us: int
@@ -39,6 +50,16 @@ class OrderKey:
     kind: int
     run_id: str
     group_index: int
+
+    def position(self) -> Bound:
+        return (self.at_us, self.partition, self.offset)
+
+
+def watermark_bound(partition: int, at_us: int, next_offset: int | None) -> Bound:
+    """The bound of a watermark notice: every later item of `partition` is at or after it.
+    A notice without `next_offset` (sent before notices carried it) promises only event
+    times at or after `at_us`, so nothing at that very time passes it."""
+    return (at_us, -1, -1) if next_offset is None else (at_us, partition, next_offset)
 
 
 @dataclass(slots=True)
@@ -93,48 +114,57 @@ class TimeoutQueue:
 class DecisionMerge:
     """Items of several events partitions, released in `OrderKey` order once safe.
 
-    An item is released when every events partition's watermark is past its time: each
-    partition's later items have keys at or after its watermark. An item that comes
-    with a key below what was already released (`late`) is released at once.
+    An item is released when its position is below every events partition's bound (see
+    the module's docstring). An item that comes with a position below what was already
+    released (`late`) is released at once.
     """
 
     def __init__(self, partitions: int):
         self.partitions = partitions
-        self.watermarks: dict[int, int] = {}
+        self.watermarks: dict[int, Bound] = {}
         self._heap: list[tuple[OrderKey, int, Any]] = []
         self._seq = 0
-        self.released_us: int | None = None
+        self.released: Bound | None = None
         self.late = 0
 
-    def watermark(self, partition: int, at_us: int) -> None:
-        if at_us > self.watermarks.get(partition, -1):
-            self.watermarks[partition] = at_us
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A batch snapshot written before bounds carried offsets holds watermarks and the
+        # released frontier as times: the same promise as a notice without an offset.
+        if "released_us" in state:
+            released = state.pop("released_us")
+            state["released"] = None if released is None else watermark_bound(0, released, None)
+            state["watermarks"] = {p: watermark_bound(p, at_us, None)
+                                   for p, at_us in state["watermarks"].items()}
+        self.__dict__.update(state)
 
-    def frontier(self) -> int | None:
-        """Items with an earlier time are safe to release; None until every partition
-        has reported a watermark."""
+    def watermark(self, partition: int, at_us: int, next_offset: int | None = None) -> None:
+        bound = watermark_bound(partition, at_us, next_offset)
+        if partition not in self.watermarks or bound > self.watermarks[partition]:
+            self.watermarks[partition] = bound
+
+    def frontier(self) -> Bound | None:
+        """Items positioned below it are safe to release; None until every partition has
+        reported a watermark."""
         try:
             return min(self.watermarks[p] for p in range(self.partitions))
         except KeyError:
             return None
 
     def add(self, key: OrderKey, item: Any) -> None:
-        if self.released_us is not None and key.at_us < self.released_us:
+        if self.released is not None and key.position() < self.released:
             self.late += 1
         heapq.heappush(self._heap, (key, self._seq, item))
         self._seq += 1
 
     def ready(self) -> list[tuple[OrderKey, Any]]:
         frontier = self.frontier()
+        if frontier is not None and (self.released is None or frontier > self.released):
+            self.released = frontier
         out = []
-        while self._heap and (
-            (frontier is not None and self._heap[0][0].at_us < frontier)
-            or (self.released_us is not None and self._heap[0][0].at_us < self.released_us)
-        ):
+        while self._heap and self.released is not None \
+                and self._heap[0][0].position() < self.released:
             key, _, item = heapq.heappop(self._heap)
             out.append((key, item))
-        if frontier is not None and (self.released_us is None or frontier > self.released_us):
-            self.released_us = frontier
         return out
 
     def drain(self) -> list[tuple[OrderKey, Any]]:

@@ -259,7 +259,7 @@ class BatchStage(Stage):
         late = merge.late
         mark = watermark_notice(record)
         if mark is not None:
-            merge.watermark(mark["partition"], mark["at_us"])
+            merge.watermark(mark["partition"], mark["at_us"], mark.get("next_offset"))
         else:
             self._applied = True
             notice = opened_notice(record)

@@ -3,7 +3,7 @@
 Besides decisions the topic carries `opened` notices (header only, empty value): one per
 archived `group_started`, so the batch stage counts prompts issued per step in order; and
 `watermark` notices (header only, sent to every partition): how far an events partition's
-event time has come, so the batch stage knows which decisions are safe to apply in order.
+event time and offsets have come, so the batch stage knows which decisions are safe to apply in order.
 
 Every record also names, in the Kafka header `lake`, the lake whose group stage sent it
 (the Delta table id of its `events` archive, which copies of the lake keep): two
@@ -30,7 +30,9 @@ HEADER = "decision"
 INLINE_LIMIT_BYTES = 4 * 1024 * 1024
 # a group_started was archived: {run_id, group_index, step, at, at_us, partition, offset}
 OPENED = "opened"
-WATERMARK = "watermark"  # {partition, at_us}: events partition `partition` reached `at_us`
+# {partition, at_us, next_offset}: events partition `partition` reached event time `at_us`
+# and offset `next_offset` (`ordering.Bound`; notices sent before it existed lack it)
+WATERMARK = "watermark"
 LAKE = "lake"
 
 
@@ -84,8 +86,9 @@ def opened_notice(record: Any) -> Opened | None:
                   body.get("partition", -1), body.get("offset", -1))
 
 
-def encode_watermark(partition: int, at_us: int) -> list[tuple[str, bytes]]:
-    return [(WATERMARK, orjson.dumps({"partition": partition, "at_us": at_us}))]
+def encode_watermark(partition: int, at_us: int, next_offset: int) -> list[tuple[str, bytes]]:
+    body = {"partition": partition, "at_us": at_us, "next_offset": next_offset}
+    return [(WATERMARK, orjson.dumps(body))]
 
 
 def watermark_notice(record: Any) -> dict[str, Any] | None:

@@ -150,7 +150,8 @@ class GroupStage(Stage):
         self.event_groups: dict[tuple[str, str], int] = {}
         self.clocks: dict[int, PartitionClock] = {}
         self.timeouts: dict[int, TimeoutQueue] = {}
-        self._published_us: dict[int, int] = {}  # partition -> last watermark published
+        # partition -> (watermark, next offset) last published
+        self._published: dict[int, tuple[int, int]] = {}
         self._idle_advanced_at: dict[int, float] = {}
         self._decisions_partitions: list[int] | None = None
         self._sent_by = lake_header(self.lake_id)  # on every decisions record
@@ -164,7 +165,7 @@ class GroupStage(Stage):
             self.recorded.pop(partition, None)
             self.clocks.pop(partition, None)
             self.timeouts.pop(partition, None)
-            self._published_us.pop(partition, None)
+            self._published.pop(partition, None)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -524,30 +525,33 @@ class GroupStage(Stage):
             self.producer.flush()
 
     def _publish_watermarks(self) -> int:
-        """Send each owned partition's watermark to every decisions partition when it moved.
+        """Send each owned partition's bound to every decisions partition when it moved:
+        its watermark and the offset after the last record processed (`ordering.Bound`).
 
-        A complete group still waiting for its run's config holds its partition's
-        watermark just below its completion, so its decision can still take its place.
+        A complete group still waiting for its run's config holds its partition's bound at
+        its completing event, so its decision can still take its place.
         """
         if self._decisions_partitions is None:
             found = self.producer.partitions_for(self.topics.decisions)
             self._decisions_partitions = sorted(found or {0})
-        held: dict[int, int] = {}
+        held: dict[int, tuple[int, int]] = {}
         for pending in self.pending.values():
-            if pending.completed_us is not None:
-                held[pending.partition] = min(held.get(pending.partition, pending.completed_us),
-                                              pending.completed_us)
+            if pending.completed_us is not None and pending.completed_at is not None:
+                at = (pending.completed_us, pending.completed_at[1])
+                held[pending.partition] = min(held.get(pending.partition, at), at)
         sent = 0
         for partition, clock in self.clocks.items():
             if clock.watermark_us is None:
                 continue
-            watermark = min(clock.watermark_us, held.get(partition, clock.watermark_us))
-            if watermark <= self._published_us.get(partition, -1):
+            recorded = self.recorded.get(partition)
+            bound = (clock.watermark_us, 0 if recorded is None else recorded + 1)
+            bound = min(bound, held.get(partition, bound))
+            if partition in self._published and bound <= self._published[partition]:
                 continue
-            self._published_us[partition] = watermark
+            self._published[partition] = bound
             for target in self._decisions_partitions:
                 self.producer.send(self.topics.decisions, partition=target, value=b"",
-                                   headers=[*encode_watermark(partition, watermark),
+                                   headers=[*encode_watermark(partition, *bound),
                                             self._sent_by])
                 sent += 1
         return sent

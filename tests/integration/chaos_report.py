@@ -19,6 +19,7 @@ import orjson
 import pyarrow.compute as pc
 from kafka import TopicPartition
 
+from ingest.core.ordering import Bound, watermark_bound
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.decisions import decision_header, opened_notice, watermark_notice
@@ -65,27 +66,28 @@ def _release_offsets(records: list[Any], event_partitions: int
     record on its partition at or after it whose arrival put every events partition's
     watermark past its time (None: never)."""
     out: dict[tuple[int, int], int | None] = {}
-    waiting: dict[int, list[tuple[int, int]]] = {}  # partition -> [(at_us, offset)]
-    marks: dict[int, dict[int, int]] = {}
+    waiting: dict[int, list[tuple[Bound, int]]] = {}  # partition -> [(position, offset)]
+    marks: dict[int, dict[int, Bound]] = {}
     for record in records:
         mark = watermark_notice(record)
         item = opened_notice(record) or decision_header(record)
         if mark is not None:
             seen = marks.setdefault(record.partition, {})
-            seen[mark["partition"]] = max(seen.get(mark["partition"], -1), mark["at_us"])
+            bound = watermark_bound(mark["partition"], mark["at_us"], mark.get("next_offset"))
+            seen[mark["partition"]] = max(seen.get(mark["partition"], bound), bound)
         elif item is not None:
-            at_us = item.order_key().at_us
             out[(record.partition, record.offset)] = None
-            waiting.setdefault(record.partition, []).append((at_us, record.offset))
+            waiting.setdefault(record.partition, []).append(
+                (item.order_key().position(), record.offset))
         seen = marks.get(record.partition, {})
         if len(seen) == event_partitions:
             frontier = min(seen.values())
             still = []
-            for at_us, offset in waiting.get(record.partition, []):
-                if at_us < frontier:
+            for position, offset in waiting.get(record.partition, []):
+                if position < frontier:
                     out[(record.partition, offset)] = record.offset
                 else:
-                    still.append((at_us, offset))
+                    still.append((position, offset))
             waiting[record.partition] = still
     return out
 
@@ -108,8 +110,8 @@ def _snapshots(lake: Lake, run_id: str, group: int) -> list[str]:
         latest = i + 1 == len(rows) or rows[i + 1]["partition"] != row["partition"]
         if seen != last.get(row["partition"]) or latest:
             lines.append(f"  snapshot p{row['partition']}@{row['offset']}: opened {seen[0]}, "
-                         f"applied {seen[1]}, held {held}, released_us "
-                         f"{state.merge.released_us}")
+                         f"applied {seen[1]}, held {held}, released "
+                         f"{state.merge.released}")
         last[row["partition"]] = seen
     return lines
 

@@ -18,13 +18,21 @@ from deltalake import write_deltalake
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
 from ingest.io.kafka import KafkaSettings, key_partition
 from ingest.io.lake import Lake
+from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import EVENTS
-from tests.integration.pipeline import by_group, event, publish, run_processor, sample
+from tests.integration.pipeline import (
+    by_group,
+    event,
+    ordered_kafka,
+    publish,
+    run_processor,
+    sample,
+)
 
 TIMEOUT_S = 15.0
 
@@ -211,3 +219,40 @@ def test_a_record_that_reached_the_broker_keeps_its_time_while_other_partitions_
         "events", filter=(pc.field("group_index") == on[drained][60]) & (pc.field("run_id") == run)
     ).to_pylist()
     assert late["event_time"] == datetime.fromtimestamp(sent.timestamp / 1000, UTC)
+
+
+def test_a_decision_is_applied_with_the_watermark_sent_after_it_not_a_later_event(
+        broker, tmp_path):
+    """The watermark sent with a decision is at the decision's own event time: it releases
+    the decision, so the `groups` row does not wait for the partition's next event or its
+    idle advance (a group interval or `watermark_lag_s` on every decision)."""
+    run, lake_root = "released", str(tmp_path / "lake")
+    kafka = ordered_kafka(broker.bootstrap_servers, f"rel{uuid.uuid4().hex[:8]}.")
+    events = [event("group_started", run, group_index=0, step=0, n_samples=2),
+              sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0)]
+    publish(kafka, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, events)
+    # The group stage stops once it archived the last event and published its decision:
+    # no later event and no idle advance can release it.
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake_root,
+                                       consumer_group=f"{kafka.topic_prefix}groups"),
+                       Lake(lake_root))
+    archived, deadline = None, time.monotonic() + 60
+    try:
+        while archived != len(events) - 1 and time.monotonic() < deadline:
+            stage.poll_once()
+            archived = stage.recorded.get(0)
+    finally:
+        stage.close()
+    assert archived == len(events) - 1
+    batches = BatchStage(ProcessorConfig(kafka=kafka, lake=lake_root,
+                                         consumer_group=f"{kafka.topic_prefix}batches"),
+                         Lake(lake_root))
+    group, deadline = None, time.monotonic() + 30
+    try:
+        while group is None and time.monotonic() < deadline:
+            batches.poll_once()
+            group = by_group(lake_root, run).get(0)
+    finally:
+        batches.close()
+    assert group is not None, "the decision is still held"
+    assert (group["decision"], group["batch_step"]) == ("kept", 0)
