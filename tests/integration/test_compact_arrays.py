@@ -158,5 +158,7 @@ def test_malformed_compact_arrays_are_dead_lettered_naming_the_field(kafka, lake
     for name, sort in (("groups", ["group_index"]), ("training_batches", ["step", "position"]),
                        ("samples", ["group_index", "rollout_id", "fragment_index"])):
         assert _table(lake, name, "poisoned", sort) == _table(lake, name, "clean", sort), name
-    steps = {r["run_id"]: r["content_sha256"] for r in rows(lake, "steps")}
-    assert steps["poisoned"] == steps["clean"]
+    # per step: the two runs' steps rows are read in file order
+    steps = {(r["run_id"], r["step"]): r["content_sha256"] for r in rows(lake, "steps")}
+    assert sorted(steps) == [(run, step) for run in ("clean", "poisoned") for step in (0, 1)]
+    assert [steps["poisoned", step] for step in (0, 1)] == [steps["clean", step] for step in (0, 1)]
