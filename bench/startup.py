@@ -28,10 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
-from pipeline import preload, stream
+from pipeline import joined_at, preload, stream
 
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
@@ -55,17 +54,6 @@ def parse_variant(text: str) -> tuple[str, Path, list[str]]:
     if not (path / "ingest" / "cli.py").is_file():
         raise SystemExit(f"--variant {text!r}: {path} holds no ingest/cli.py")
     return label, path, [f for f in flags.split(",") if f]
-
-
-def joined_at(log: str) -> dict[str, float]:
-    """Wall-clock time of each stage's "joined consumer group" log line."""
-    found = {}
-    for line in log.splitlines():
-        for role in ("groups", "batches"):
-            if f"{role} stage: joined consumer group" in line:
-                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-                found.setdefault(f"{role} joined", stamp.timestamp())
-    return found
 
 
 def run_once(kafka: KafkaSettings, tree: Path, flags: list[str], lake: str,
