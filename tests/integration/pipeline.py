@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pyarrow.compute as pc
 
-from ingest.io.kafka import KafkaSettings, subscribe_once_listed
+from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
@@ -103,7 +103,9 @@ def stuck_member(kafka: KafkaSettings, group_id: str) -> Any:
     subscribe_once_listed(consumer, kafka.topics.events, timeout_s=30)
     deadline = time.monotonic() + 30
     while not consumer.assignment() and time.monotonic() < deadline:
-        consumer.poll(timeout_ms=200)
+        # The join waited out in one call: kafka-python drops a join that completes between
+        # two polls, and Tansu answers one after half the session timeout (45 s here).
+        poll_in_group(consumer, 200, join_wait_ms=30_000)
     if not consumer.assignment():
         consumer.close()
         raise AssertionError(f"a member of {group_id} did not join within 30 s")

@@ -20,7 +20,7 @@ from kafka.protocol.consumer.metadata import (
 )
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, poll_in_group
 from ingest.io.lake import Lake
 from ingest.processor import run_configs as run_configs_module
 from ingest.processor import stage as stage_module
@@ -29,6 +29,10 @@ from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
 from ingest.processor.main import Processor
 from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
+
+# The session timeout of the tests' own members (Tansu answers a join after half of it)
+# and so what their polls wait a join out for.
+SESSION_TIMEOUT_MS = 6000
 
 
 def test_a_backlog_longer_to_commit_than_the_idle_time_is_finished(broker, tmp_path):
@@ -247,11 +251,12 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
         while not slow.assignment():
             assert time.monotonic() < deadline, "the slow member did not join"
             stage.poll_once()  # the stage has to rejoin for the slow member to join
-            slow.poll(timeout_ms=50)
+            poll_in_group(slow, 50, join_wait_ms=SESSION_TIMEOUT_MS)
         joiner = member(kafka, group)
         members.append(joiner)
         stop = threading.Event()
-        joining = threading.Thread(target=lambda: [joiner.poll(timeout_ms=100)
+        joining = threading.Thread(target=lambda: [poll_in_group(joiner, 100,
+                                                                 join_wait_ms=SESSION_TIMEOUT_MS)
                                                    for _ in iter(stop.is_set, True)])
         joining.start()
         try:
@@ -274,7 +279,7 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
 
 def member(kafka: KafkaSettings, group: str, **overrides) -> KafkaConsumer:
     """Another member of the consumer group `group`."""
-    consumer = kafka.consumer(group_id=group, session_timeout_ms=6000, **overrides)
+    consumer = kafka.consumer(group_id=group, session_timeout_ms=SESSION_TIMEOUT_MS, **overrides)
     consumer.subscribe([kafka.topics.events])
     return consumer
 
@@ -341,15 +346,17 @@ def test_a_stage_assigned_nothing_is_not_idle_while_the_lake_lacks_its_topic(bro
             complete_group("unassigned"))
     lake = Lake(str(tmp_path / "lake"))
     config = ProcessorConfig(kafka=kafka, lake=lake.root)
-    leader = kafka.consumer(group_id=f"{config.group_prefix}-groups", session_timeout_ms=6000,
+    leader = kafka.consumer(group_id=f"{config.group_prefix}-groups",
+                            session_timeout_ms=SESSION_TIMEOUT_MS,
                             partition_assignment_strategy=[_TakeEverything])
     leader.subscribe([kafka.topics.events])
     deadline = time.monotonic() + 60
     while not leader.assignment():  # joins alone first: the group's leader
         assert time.monotonic() < deadline, "the first member did not join"
-        leader.poll(timeout_ms=100)
+        poll_in_group(leader, 100, join_wait_ms=SESSION_TIMEOUT_MS)
     stop = threading.Event()
-    polling = threading.Thread(target=lambda: [leader.poll(timeout_ms=100)
+    polling = threading.Thread(target=lambda: [poll_in_group(leader, 100,
+                                                             join_wait_ms=SESSION_TIMEOUT_MS)
                                                for _ in iter(stop.is_set, True)])
     polling.start()
     stage = GroupStage(config, lake)
