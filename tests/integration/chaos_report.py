@@ -64,7 +64,7 @@ def _release_offsets(records: list[Any], event_partitions: int
                      ) -> dict[tuple[int, int], int | None]:
     """(decisions partition, offset) of each decision or notice -> the offset of the first
     record on its partition at or after it whose arrival put every events partition's
-    watermark past its time (None: never)."""
+    bound past its position (`ordering.Bound`; None: never)."""
     out: dict[tuple[int, int], int | None] = {}
     waiting: dict[int, list[tuple[Bound, int]]] = {}  # partition -> [(position, offset)]
     marks: dict[int, dict[int, Bound]] = {}
