@@ -40,7 +40,7 @@ from ingest.core.batching import Effects, RunBatcher
 from ingest.core.decide import decide
 from ingest.core.decided import DecidedGroup, Opened
 from ingest.core.filters import load_filter
-from ingest.core.ordering import DecisionMerge, micros
+from ingest.core.ordering import DecisionMerge, timeout_micros
 from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.core.whatif import WhatIf, parse_what_if
 from ingest.io.archive import read_archive
@@ -102,7 +102,7 @@ def group_items(folded: FoldedGroup, partition: int, config: RunConfig,
     if folded.completed is not None:
         at_us, offset = folded.completed
     else:
-        at_us, offset = folded.first_us + micros(config.group_timeout_s), -1
+        at_us, offset = folded.first_us + timeout_micros(config.group_timeout_s), -1
     decided = decide(group, config, at_us=at_us, source={"partition": partition, "offset": offset},
                      decided_at=at_us / 1e6, timed_out=folded.completed is None)
     return [opened, decided.group]

@@ -38,6 +38,12 @@ def micros(seconds: float) -> int:
     return round(seconds * 1_000_000)
 
 
+def timeout_micros(seconds: float) -> int:
+    """A run's `group_timeout_s` in microseconds, at least one: a deadline at the first
+    event's own time would sort before that event's bound, already sent (applied late)."""
+    return max(1, micros(seconds))
+
+
 # (event time, events partition, offset): where an item or a watermark stands.
 Bound = tuple[int, int, int]
 

@@ -28,7 +28,7 @@ from kafka.errors import KafkaTimeoutError
 from ingest.core.assembly import GroupBuilder, fold_partition
 from ingest.core.decide import decide
 from ingest.core.decided import DecidedGroup, Opened
-from ingest.core.ordering import PartitionClock, TimeoutQueue, micros
+from ingest.core.ordering import PartitionClock, TimeoutQueue, micros, timeout_micros
 from ingest.io.archive import read_archive
 from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake, TxnMark
@@ -412,7 +412,8 @@ class GroupStage(Stage):
         watermark = self.clocks[partition].watermark_us
         if watermark is None:
             return
-        due = self.timeouts[partition].due(watermark, lambda run: micros(self._timeout_s(run)))
+        due = self.timeouts[partition].due(watermark,
+                                           lambda run: timeout_micros(self._timeout_s(run)))
         for deadline_us, run_id, group_index in due:
             key = (run_id, group_index)
             pending = self.pending.get(key)

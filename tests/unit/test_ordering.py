@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from ingest.core.ordering import (
     OrderKey,
     PartitionClock,
     TimeoutQueue,
+    timeout_micros,
 )
 
 
@@ -143,3 +145,21 @@ def test_timeouts_come_due_per_run_in_deadline_order():
     timeouts = {"a": 20, "b": 100}
     assert queue.due(130, timeouts.__getitem__) == [(30, "a", 3), (120, "a", 1)]
     assert queue.due(150, timeouts.__getitem__) == [(150, "b", 2)]
+
+
+@pytest.mark.parametrize("group_timeout_s", [1e-9, 4.9e-7, 1e-6, 600.0])
+def test_a_timeout_comes_due_after_the_bound_its_first_event_sent_never_late(group_timeout_s):
+    """Any timeout the schema accepts (> 0), however short: its decision sorts after what
+    the group's first event released, so it is applied in order, as replay sorts it."""
+    first_us, offset = 1_000, 7
+    queue, merge = TimeoutQueue(), DecisionMerge(partitions=1)
+    queue.add("r", 0, first_us)
+    merge.add(key(first_us, offset=offset, kind=OPENED), "opened")
+    merge.watermark(0, first_us, next_offset=offset + 1)  # the poll of the first event
+    assert [item for _, item in merge.ready()] == ["opened"]
+    assert queue.due(first_us, lambda run: timeout_micros(group_timeout_s)) == []
+    later_us = first_us + timeout_micros(group_timeout_s)
+    [(deadline_us, _, _)] = queue.due(later_us, lambda run: timeout_micros(group_timeout_s))
+    merge.add(key(deadline_us, offset=-1), "timed out")
+    merge.watermark(0, later_us, next_offset=offset + 2)
+    assert [item for _, item in merge.ready()] == ["timed out"] and merge.late == 0
