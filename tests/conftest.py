@@ -17,6 +17,7 @@ import pytest
 
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
+from tests.support.suite_kafka import suite_kafka
 
 
 def pytest_configure(config):
@@ -59,8 +60,8 @@ def broker(request):
 @pytest.fixture
 def kafka(broker) -> KafkaSettings:
     """Kafka settings with a topic prefix of this test's own, topics created."""
-    settings = KafkaSettings(
-        bootstrap_servers=broker.bootstrap_servers,
+    settings = suite_kafka(
+        broker.bootstrap_servers,
         topic_prefix=f"t{uuid.uuid4().hex[:10]}.",
         event_partitions=2,
         decision_partitions=1,

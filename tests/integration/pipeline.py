@@ -16,6 +16,7 @@ from ingest.processor.main import Processor
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import TABLES
+from tests.support.suite_kafka import suite_kafka
 
 _ids = itertools.count()
 
@@ -55,8 +56,8 @@ def publish(kafka: KafkaSettings, run_id: str, config: dict[str, Any] | None,
 def ordered_kafka(bootstrap_servers: str, prefix: str) -> KafkaSettings:
     """Fresh topics with one partition each, topics created: decisions then follow publish
     order, so which group of a step ends up surplus is determined by the test."""
-    kafka = KafkaSettings(bootstrap_servers=bootstrap_servers, topic_prefix=prefix,
-                          event_partitions=1, decision_partitions=1)
+    kafka = suite_kafka(bootstrap_servers, topic_prefix=prefix, event_partitions=1,
+                        decision_partitions=1)
     kafka.ensure_topics()
     return kafka
 

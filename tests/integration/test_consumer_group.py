@@ -10,7 +10,7 @@ import pytest
 from kafka import ConsumerRebalanceListener
 
 from ingest.io.broker import free_port
-from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
+from ingest.io.kafka import poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
 from ingest.processor.batch_stage import BatchStage
@@ -26,6 +26,7 @@ from tests.integration.pipeline import (
     sample,
     stuck_member,
 )
+from tests.support.suite_kafka import suite_kafka
 
 
 def _lake_with_every_table(lake_root: str) -> Lake:
@@ -116,7 +117,7 @@ def test_a_join_that_completes_between_two_short_polls_is_kept(kafka):
 
 def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
     monkeypatch.setattr(stage_module, "TOPIC_WAIT_S", 1.0)
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="never.made.")
+    kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="never.made.")
     with pytest.raises(RolloutlakeError) as raised:
         BatchStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))
     assert str(raised.value) == (f"topic never.made.rollout.decisions does not exist on "

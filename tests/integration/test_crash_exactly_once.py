@@ -30,6 +30,7 @@ from ingest.processor.stage import SESSION_TIMEOUTS_MS
 from schemas.tables import TABLES
 from tests.integration import chaos_report
 from tests.integration.pipeline import assert_keys_once, run_processor
+from tests.support.suite_kafka import suite_kafka
 
 SIM = SimulationConfig(
     run_id="chaos", steps=7, rollout_batch_size=4, n_samples=4, response_len_mean=48,
@@ -50,7 +51,7 @@ NOT_COMPARED = {
 
 
 def _kafka(broker, prefix: str) -> KafkaSettings:
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=prefix,
+    kafka = suite_kafka(broker.bootstrap_servers, topic_prefix=prefix,
                           event_partitions=4, decision_partitions=2)
     kafka.ensure_topics()
     return kafka

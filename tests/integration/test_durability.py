@@ -24,6 +24,7 @@ from schemas.errors import RolloutlakeError
 from schemas.events import event_group_key
 from schemas.tables import BATCH_STATE
 from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+from tests.support.suite_kafka import suite_kafka
 
 SIM = SimulationConfig(
     run_id="snap", steps=8, rollout_batch_size=3, n_samples=2, response_len_mean=8,
@@ -111,9 +112,9 @@ def test_a_snapshot_from_another_topic_is_refused(broker, tmp_path):
     with RolloutPublisher(other) as pub:
         for offset in range(snapshot["offset"] + 3):
             pub.send_raw(other.topics.decisions, b"x", f"not {offset}".encode())
-    moved = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=other.topic_prefix, event_partitions=1,
-                          decision_partitions=1)
+    moved = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=other.topic_prefix, event_partitions=1,
+                        decision_partitions=1)
     renamed_lake = str(tmp_path / "renamed")
     _copy_lake_for_topic(lake_root, renamed_lake, kafka.topics.decisions, other.topics.decisions)
     with pytest.raises(RolloutlakeError, match=r"the topic was recreated \(its message at "
@@ -202,9 +203,9 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
     """Four events partitions: a snapshot falls between a decision and the watermarks that
     release it. The restart must still apply it in its place (the ordering state is in the
     snapshot), or steps and surplus differ from an uninterrupted run."""
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"held{uuid.uuid4().hex[:8]}.", event_partitions=4,
-                          decision_partitions=1)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"held{uuid.uuid4().hex[:8]}.", event_partitions=4,
+                        decision_partitions=1)
     kafka.ensure_topics()
     with RolloutPublisher(kafka) as pub:
         pub.run_started(HELD.run_id, HELD.run_config(), event_id="run")

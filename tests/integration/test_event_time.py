@@ -33,6 +33,7 @@ from tests.integration.pipeline import (
     run_processor,
     sample,
 )
+from tests.support.suite_kafka import suite_kafka
 
 TIMEOUT_S = 15.0
 
@@ -90,9 +91,9 @@ def _decisions(lake_root: str) -> list[tuple]:
 
 def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_agrees(
         broker, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"o{uuid.uuid4().hex[:8]}.", event_partitions=4,
-                          decision_partitions=2)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"o{uuid.uuid4().hex[:8]}.", event_partitions=4,
+                        decision_partitions=2)
     kafka.ensure_topics()
     live, backlog = str(tmp_path / "live"), str(tmp_path / "backlog")
     # Live: the events stream in while the processor runs, few records per poll.
@@ -181,9 +182,9 @@ def test_a_record_that_reached_the_broker_keeps_its_time_while_other_partitions_
     of its last fetch can be seconds old (Apache Kafka answers with every partition's
     records, and kafka-python fetches a partition again once they are consumed): taking it
     for idle would give a record already in the broker a later time than its own."""
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"i{uuid.uuid4().hex[:8]}.", event_partitions=2,
-                          decision_partitions=1)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"i{uuid.uuid4().hex[:8]}.", event_partitions=2,
+                        decision_partitions=1)
     kafka.ensure_topics()
     run, lake_root = "idle", str(tmp_path / "lake")
     on = {p: [g for g in range(400) if key_partition(event_group_key(run, g), 2) == p]

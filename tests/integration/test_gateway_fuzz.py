@@ -13,16 +13,16 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from ingest.io.kafka import KafkaSettings
 from tests.support.gateway_support import RunningGateway, gateway_config
+from tests.support.suite_kafka import suite_kafka
 
 MAX_EXAMPLES = 12
 
 
 @pytest.fixture(scope="module")
 def fuzzed_gateway(broker, tmp_path_factory):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"f{uuid.uuid4().hex[:8]}.", event_partitions=2)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"f{uuid.uuid4().hex[:8]}.", event_partitions=2)
     kafka.ensure_topics()
     root = tmp_path_factory.mktemp("fuzz")
     with RunningGateway(gateway_config(kafka, str(root / "lake"), root / "state")) as gw:

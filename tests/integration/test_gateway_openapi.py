@@ -18,6 +18,7 @@ from schemathesis.checks import (
 from ingest.io.broker import free_port
 from ingest.io.kafka import KafkaSettings
 from tests.support.gateway_support import RunningGateway, gateway_config, sample_events
+from tests.support.suite_kafka import suite_kafka
 
 pytestmark = pytest.mark.one_broker(
     "the document and the answers' shapes; the broker path runs on both engines in test_gateway_events")
@@ -53,7 +54,7 @@ EXPECTED_ERRORS = {
 
 @pytest.fixture(scope="module")
 def gw(broker, tmp_path_factory):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="openapi.")
+    kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="openapi.")
     kafka.ensure_topics()
     root = tmp_path_factory.mktemp("openapi")
     config = gateway_config(kafka, str(root / "lake"), root / "state",

@@ -8,8 +8,9 @@ import confluent_kafka
 import orjson
 from kafka.partitioner.default import murmur2
 
-from ingest.io.kafka import KafkaSettings, key_partition
+from ingest.io.kafka import key_partition
 from tests.integration.pipeline import by_group, event, publish, rows, run_processor, sample
+from tests.support.suite_kafka import suite_kafka
 
 GROUPS = 12
 PARTITIONS = 4
@@ -48,7 +49,7 @@ def _produce(bootstrap: str, topic: str, run_id: str, partitioner: str | None) -
 
 
 def test_a_librdkafka_producer_needs_murmur2_random(broker, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="partitioners.",
+    kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="partitioners.",
                           event_partitions=PARTITIONS, decision_partitions=1)
     kafka.ensure_topics()
     lake_root = str(tmp_path / "lake")

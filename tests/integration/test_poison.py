@@ -26,6 +26,7 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from schemas.events import event_group_key
 from tests.integration.pipeline import by_group, event, publish, rows, run_processor, sample
+from tests.support.suite_kafka import suite_kafka
 
 CONFIG = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 
@@ -177,9 +178,9 @@ class RunningProcessor:
 
 @pytest.fixture(scope="module")
 def fuzz_env(broker, tmp_path_factory):
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"fz{uuid.uuid4().hex[:8]}.", event_partitions=2,
-                          decision_partitions=1)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"fz{uuid.uuid4().hex[:8]}.", event_partitions=2,
+                        decision_partitions=1)
     kafka.ensure_topics()
     lake_root = str(tmp_path_factory.mktemp("fuzzlake"))
     running = RunningProcessor(kafka, lake_root)

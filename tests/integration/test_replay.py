@@ -16,11 +16,11 @@ import pyarrow.compute as pc
 import pytest
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
-from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.main import Processor
 from tests.integration.pipeline import by_group
+from tests.support.suite_kafka import suite_kafka
 
 # Closed loop: groups are issued ahead and cancelled at each seal (cancelled_at_seal,
 # surplus), with aborts, missing rewards, compaction and duplicate deliveries, spread
@@ -39,9 +39,9 @@ def _replay(lake: str, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def four_partition_lake(broker, tmp_path) -> str:
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"rp{uuid.uuid4().hex[:8]}.", event_partitions=4,
-                          decision_partitions=2)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"rp{uuid.uuid4().hex[:8]}.", event_partitions=4,
+                        decision_partitions=2)
     kafka.ensure_topics()
     lake = str(tmp_path / "lake")
     processor = Processor(ProcessorConfig(kafka=kafka, lake=lake, until_idle_s=3.0,

@@ -21,6 +21,7 @@ from ingest.io.lake import Lake
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
+from tests.support.suite_kafka import suite_kafka
 
 # Exactly `rollout_batch_size` kept groups per step (no surplus) and no aborts: which
 # groups form a step then does not depend on the order in which two instances decide them.
@@ -84,9 +85,9 @@ def test_the_survivor_takes_over_a_killed_instance_exactly_once(broker, tmp_path
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
     assert len(_table(ref, "steps", steps)) == SIM.steps
 
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"scale{os.getpid()}.", event_partitions=4,
-                          decision_partitions=2)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"scale{os.getpid()}.", event_partitions=4,
+                        decision_partitions=2)
     kafka.ensure_topics()
     lake_root = str(tmp_path / "lake")
     status_a, status_b = tmp_path / "a", tmp_path / "b"

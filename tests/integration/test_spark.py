@@ -34,7 +34,6 @@ from ingest.commands.replay import archived_config
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.commands.spark_replay import replay_with
 from ingest.core.whatif import parse_what_if
-from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.io.spark import spark_session
 from ingest.sdk.publisher import RolloutPublisher
@@ -43,6 +42,7 @@ from schemas.tables import TABLES, TRAINING_BATCHES, content_sha256
 from tests.integration.pipeline import run_processor
 from tests.integration.test_cli import cli, one_line_error
 from tests.support.metric_fixtures import contract_table
+from tests.support.suite_kafka import suite_kafka
 
 pytestmark = pytest.mark.one_broker("Spark reads the Delta tables; the broker only makes them")
 
@@ -63,7 +63,7 @@ PROCESSOR_TABLES = ["events", "groups", "samples", "training_batches", "steps", 
 @pytest.fixture(scope="module")
 def lake(broker, tmp_path_factory) -> Lake:
     # Two event partitions: the processor reads several, as in production.
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="spark.",
+    kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="spark.",
                           event_partitions=2, decision_partitions=1)
     kafka.ensure_topics()
     root = str(tmp_path_factory.mktemp("spark-lake"))

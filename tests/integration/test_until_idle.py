@@ -29,6 +29,7 @@ from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
 from ingest.processor.main import Processor
 from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
+from tests.support.suite_kafka import suite_kafka
 
 # The session timeout of the tests' own members (Tansu answers a join after half of it)
 # and so what their polls wait a join out for.
@@ -238,8 +239,8 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
     if broker.engine != "kafka":
         pytest.skip("Tansu ends the rebalance after about 3 s, not the slow member's "
                     "max.poll.interval: too close to the idle time for a sure test")
-    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
-                          topic_prefix=f"slow{time.monotonic_ns()}.", event_partitions=2)
+    kafka = suite_kafka(broker.bootstrap_servers,
+                        topic_prefix=f"slow{time.monotonic_ns()}.", event_partitions=2)
     kafka.ensure_topics()
     stage = idle_group_stage(kafka, tmp_path, "slow")
     members = []

@@ -1,0 +1,17 @@
+"""Kafka settings for the suite's own clients against its healthy embedded brokers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ingest.io.kafka import KafkaSettings
+
+# The suite runs three workers beside two brokers on two cores: a broker can stay silent
+# for seconds (CI: a test's first consumer gave up after the product's 5 s default). A test
+# of an unreachable broker builds its settings with its own, short, timeout.
+SUITE_BOOTSTRAP_TIMEOUT_MS = 30_000
+
+
+def suite_kafka(bootstrap_servers: str, **fields: Any) -> KafkaSettings:
+    fields.setdefault("bootstrap_timeout_ms", SUITE_BOOTSTRAP_TIMEOUT_MS)
+    return KafkaSettings(bootstrap_servers=bootstrap_servers, **fields)
