@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -28,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from kafka import TopicPartition
-from pipeline import _spawn, _warm_up, stream
+from pipeline import _spawn, _warm_up, commits, stream
 
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
@@ -41,23 +40,6 @@ from schemas.events import event_group_key
 
 RUN = "latency"
 COMPACT_EVERY = ProcessorConfig.model_fields["compact_every"].default  # the processor's
-
-
-def commits(table: Path) -> list[tuple[float, list[str], dict[str, int]]]:
-    """(commit timestamp in s, files added, app transactions) of each commit, in order."""
-    out = []
-    for log in sorted((table / "_delta_log").glob("*.json")):
-        at, added, txns = 0.0, [], {}
-        for line in log.read_text().splitlines():
-            action = json.loads(line)
-            if "commitInfo" in action:
-                at = action["commitInfo"]["timestamp"] / 1000
-            elif "add" in action:
-                added.append(action["add"]["path"])
-            elif "txn" in action:
-                txns[action["txn"]["appId"]] = action["txn"]["version"]
-        out.append((at, added, txns))
-    return out
 
 
 def first_commit_of_each_group(table: Path) -> dict[int, float]:
