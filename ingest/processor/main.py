@@ -19,7 +19,7 @@ from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
-from ingest.processor.health import write_status
+from ingest.processor.health import FreezeWatch, write_status
 from ingest.processor.launch import BatchChild, take_prestarted
 from ingest.processor.wandb_sink import follow_all_runs
 from schemas.config import add_config_flags, config_from_args
@@ -83,12 +83,19 @@ class Processor:
             thread.start()
         idle_s = self.config.until_idle_s
         status_at = 0.0
+        checked_at = running_since = time.monotonic()
         while not self.stop_event.is_set():
             time.sleep(0.1)
-            if time.monotonic() - status_at >= STATUS_EVERY_S:
-                status_at = time.monotonic()
+            now = time.monotonic()
+            if now - checked_at > FreezeWatch.FREEZE_S:
+                # Frozen meanwhile: what arrived then is not read yet, so idleness counts
+                # again from now (the stages, frozen too, did not look).
+                running_since = now
+            checked_at = now
+            if now - status_at >= STATUS_EVERY_S:
+                status_at = now
                 self._write_status()
-            idle = self._idle_for()
+            idle = min(self._idle_for(), now - running_since)
             if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
                 self.stop_event.set()

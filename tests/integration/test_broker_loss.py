@@ -184,6 +184,33 @@ def test_a_processor_frozen_on_a_healthy_broker_goes_on(broker, tmp_path):
     assert len(archived) == 9 == len({r["event_id"] for r in archived})
 
 
+def test_a_freeze_longer_than_until_idle_is_not_taken_for_idle(broker, tmp_path):
+    """Events arrive while the processor (both its processes) is frozen for longer than
+    `--until-idle-s`: once it runs again it reads them before it finishes."""
+    lake, prefix = str(tmp_path / "lake"), f"idlefrozen{os.getpid()}."
+    kafka = ordered_kafka(broker.bootstrap_servers, prefix)
+    publish(kafka, "r", RUN, group("r", 0))
+    cmd = [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
+           kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
+           "--event-partitions", "1", "--until-idle-s", "2"]
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        _wait_for_rows(process, lake, "steps", "r", 1)
+        os.killpg(process.pid, signal.SIGSTOP)
+        publish(kafka, "r", None, [*group("r", 1), *group("r", 2)])
+        time.sleep(2 + FreezeWatch.FREEZE_S + 1)
+        os.killpg(process.pid, signal.SIGCONT)
+        _, stderr = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr
+    assert "the process did not run for" in stderr, stderr
+    assert sorted(r["group_index"] for r in rows(lake, "groups", "r")) == [0, 1, 2]
+    assert sorted(r["step"] for r in rows(lake, "steps", "r")) == [0, 1, 2]
+
+
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
     lake, status_dir = str(tmp_path / "lake"), tmp_path / "status"
     kafka = ordered_kafka(own_broker.bootstrap_servers, "k.")
