@@ -182,7 +182,7 @@ def commits(table: Path) -> list[tuple[float, list[str], dict[str, int]]]:
 
 
 def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
-                            expect_steps: int) -> tuple[float, float]:
+                            expect_steps: int, flags: tuple[str, ...] = ()) -> tuple[float, float]:
     """Seconds from spawning `rolloutlake process` to the commit of the last `steps` row
     over the pre-loaded topic, and from its group stage joining its group (the start-up,
     imports and join, of this very run left out) to that commit.
@@ -192,7 +192,7 @@ def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
     """
     with tempfile.TemporaryFile("w+") as log:
         wall = time.time()
-        processor = _spawn(kafka, lake_root, idle_s=2.0, stderr=log)
+        processor = _spawn(kafka, lake_root, idle_s=2.0, flags=flags, stderr=log)
         processor.wait(timeout=300)
         log.seek(0)
         text = log.read()
@@ -205,6 +205,11 @@ def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
                          f"steps:\n{text[-2000:]}")
     last = max(at for at, added, _ in commits(Path(lake_root) / "steps") if added)
     return last - wall, last - joined
+
+
+# Each processor path of the pre-loaded section: (the form of its stream, its flags).
+PRELOADED_PATHS = {"JSON lists": ("JSON lists", ()), "compact": ("compact", ()),
+                   "compact, 1 process": ("compact", ("--single-process",))}
 
 
 def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int) -> None:
@@ -220,29 +225,31 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
         sizes[name] = sum(len(raw) for events in stream_ for raw in events)
     times: dict[str, list[float]] = {}
     for rep in range(repeat):
-        for name in forms:
-            times.setdefault(f"{name} ceiling", []).append(bench_consume_parse(topics[name]))
-            total, processing = bench_process_preloaded(
-                topics[name], sim.run_id, str(folder / f"lake-{name.replace(' ', '-')}-{rep}"),
-                sim.steps)
-            times.setdefault(f"{name} all in", []).append(total)
-            times.setdefault(name, []).append(processing)
+        for form in forms:
+            times.setdefault(f"{form} ceiling", []).append(bench_consume_parse(topics[form]))
+        for path, (form, flags) in PRELOADED_PATHS.items():
+            lake = folder / f"lake-{path.replace(' ', '-').replace(',', '')}-{rep}"
+            total, processing = bench_process_preloaded(topics[form], sim.run_id, str(lake),
+                                                        sim.steps, flags)
+            times.setdefault(f"{path} all in", []).append(total)
+            times.setdefault(path, []).append(processing)
     print(f"\npre-loaded stream, {tokens:,} response tokens ({samples} samples), best of "
           f"{repeat}; process s: from the group stage joining its group to the last steps "
           "row; all in s: from the spawn (imports and joins too)")
-    print(f"{'form':<12}{'MiB':>6}{'ceiling s':>11}{'ceiling tok/s':>15}{'process s':>11}"
+    print(f"{'path':<20}{'MiB':>6}{'ceiling s':>11}{'ceiling tok/s':>15}{'process s':>11}"
           f"{'process tok/s':>15}{'vs ceiling':>12}{'all in s':>10}{'all in tok/s':>14}")
     best = {}
-    for name in forms:
-        ceiling = min(times[f"{name} ceiling"])
-        seconds = best[name] = min(times[name])
-        all_in = min(times[f"{name} all in"])
-        print(f"{name:<12}{sizes[name] / 2**20:>6.0f}{ceiling:>11.2f}{tokens / ceiling:>15,.0f}"
+    for path, (form, _) in PRELOADED_PATHS.items():
+        ceiling = min(times[f"{form} ceiling"])
+        seconds = best[path] = min(times[path])
+        all_in = min(times[f"{path} all in"])
+        print(f"{path:<20}{sizes[form] / 2**20:>6.0f}{ceiling:>11.2f}{tokens / ceiling:>15,.0f}"
               f"{seconds:>11.2f}{tokens / seconds:>15,.0f}{ceiling / seconds:>11.2f}x"
               f"{all_in:>10.2f}{tokens / all_in:>14,.0f}")
     lists_ceiling = min(times["JSON lists ceiling"])
     print(f"compact vs JSON lists, process: {best['JSON lists'] / best['compact']:.2f}x faster; "
-          f"compact process vs the JSON-list ceiling: {lists_ceiling / best['compact']:.2f}x")
+          f"compact process vs the JSON-list ceiling: {lists_ceiling / best['compact']:.2f}x; "
+          f"two processes vs one: {best['compact, 1 process'] / best['compact']:.2f}x faster")
 
 
 class Watcher(threading.Thread):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from schemas.bounds import FLOAT32_MAX, INT32_MAX, FieldValueError
 
@@ -78,26 +79,31 @@ def _first(bad: np.ndarray) -> int:
 
 
 def _check_values(kind: TokenArrayKind, values: np.ndarray) -> None:
-    """Raise FieldValueError at the first value out of the field's range."""
+    """Raise FieldValueError at the first value out of the field's range.
+
+    One reduction per bound on the way through (a few us on a 2k-token array; the element
+    masks cost more): the position is looked for only once a bound is broken. A bound
+    the array's dtype cannot break (an int32 above INT32_MAX, a finite float32 beyond
+    FLOAT32_MAX) is not checked."""
+    if not values.size:
+        return
     if kind is TOKEN_IDS:
-        bad = values < 0
-        if bad.any():
-            raise FieldValueError(str(_first(bad)), "Input should be greater than or equal to 0")
-        high = values > INT32_MAX
-        if high.any():
-            raise FieldValueError(str(_first(high)),
+        if values.min() < 0:
+            raise FieldValueError(str(_first(values < 0)),
+                                  "Input should be greater than or equal to 0")
+        if values.dtype != kind.numpy and values.max() > INT32_MAX:
+            raise FieldValueError(str(_first(values > INT32_MAX)),
                                   f"Input should be less than or equal to {INT32_MAX}")
     elif kind is LOSS_MASK:
-        bad = (values != 0) & (values != 1)
-        if bad.any():
-            raise FieldValueError(str(_first(bad)), "Input should be 0 or 1")
+        if values.min() < 0 or values.max() > 1:
+            raise FieldValueError(str(_first((values != 0) & (values != 1))),
+                                  "Input should be 0 or 1")
     else:
-        bad = ~np.isfinite(values)
-        if bad.any():
-            raise FieldValueError(str(_first(bad)), "Input should be a finite number")
-        beyond = np.abs(values) > FLOAT32_MAX
-        if beyond.any():
-            raise FieldValueError(str(_first(beyond)),
+        if not np.isfinite(values).all():
+            raise FieldValueError(str(_first(~np.isfinite(values))),
+                                  "Input should be a finite number")
+        if values.dtype != kind.numpy and np.abs(values).max() > FLOAT32_MAX:
+            raise FieldValueError(str(_first(np.abs(values) > FLOAT32_MAX)),
                                   f"Input should be within +-{FLOAT32_MAX} (float32)")
 
 
@@ -136,9 +142,14 @@ def _from_compact(kind: TokenArrayKind, value: dict[str, Any]) -> np.ndarray:
     if not isinstance(data, str):
         raise FieldValueError("b64", f"b64 must be a base64 string, not {type(data).__name__}")
     try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise FieldValueError("b64", f"b64 is not valid base64: {err}") from None
+        raw = pybase64.b64decode(data, validate=True)  # SIMD: ~9x the standard decoder
+    except (binascii.Error, ValueError):
+        # pybase64 refuses padding after a whole quantum ("AAAA="), which the standard
+        # decoder takes: the standard decoder's verdict and message stay the contract.
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise FieldValueError("b64", f"b64 is not valid base64: {err}") from None
     size = kind.numpy.itemsize
     if len(raw) % size:
         raise FieldValueError("b64", f"{len(raw)} bytes is not a whole number of {kind.dtype} "
@@ -174,4 +185,4 @@ def decode_token_array(kind: TokenArrayKind, value: Any) -> np.ndarray:
 def encode_token_array(kind: TokenArrayKind, values: np.ndarray) -> dict[str, str]:
     """The compact form of `values` (already of the field's range)."""
     data = np.ascontiguousarray(values, dtype=kind.numpy).tobytes()
-    return {"dtype": kind.dtype, "b64": base64.b64encode(data).decode("ascii")}
+    return {"dtype": kind.dtype, "b64": pybase64.b64encode(data).decode("ascii")}

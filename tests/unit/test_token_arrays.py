@@ -150,6 +150,12 @@ MALFORMED = [
      "prompt_tokens.1", "greater than or equal to 0"),
     ("mask value 2", {"loss_mask": {"dtype": "int8", "b64": b64([1, 2, 0], "<i1")}},
      "loss_mask.1", "0 or 1"),
+    ("mask value -1", {"loss_mask": {"dtype": "int8", "b64": b64([1, 0, -1], "<i1")}},
+     "loss_mask.2", "0 or 1"),
+    ("token beyond int32 in a list", {"response_tokens": [1, 2**31, 3]},
+     "response_tokens.1", f"less than or equal to {2**31 - 1}"),
+    ("log-prob beyond float32 in a list", {"rollout_log_probs": [0.0, 0.0, -1e39]},
+     "rollout_log_probs.2", "within +-"),
     ("extra key", {"response_tokens": {"dtype": "int32", "b64": "", "endian": "big"}},
      "response_tokens", "exactly the keys 'dtype' and 'b64'"),
     ("b64 not a string", {"response_tokens": {"dtype": "int32", "b64": [1, 2]}},
@@ -174,6 +180,15 @@ def test_a_malformed_compact_array_is_refused_naming_the_field(fields, field, wo
     assert caught.value.field == field
     message = str(caught.value)
     assert "\n" not in message and f": {field}: " in message and words in message, message
+
+
+def test_padding_after_a_whole_quantum_decodes_as_the_standard_decoder_decodes_it():
+    """The standard decoder takes "=" after a whole 4-character quantum (the SIMD decoder
+    alone would refuse it): such events were always taken, and a replay takes them still."""
+    padded = b64([3, 4, 5], "<i4") + "="
+    assert base64.b64decode(padded, validate=True) == np.array([3, 4, 5], "<i4").tobytes()
+    event = decode_event(_sample_with(response_tokens={"dtype": "int32", "b64": padded}))
+    assert event.response_tokens.tolist() == [3, 4, 5]
 
 
 def test_the_json_schema_takes_both_forms_and_refuses_a_wrong_dtype():
