@@ -7,7 +7,7 @@ controllers can read without touching the table.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ class DecisionHeader:
     at_us: int | None = None
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        return orjson.dumps(self)  # orjson's own dataclass encoder: 10x asdict's deep copy
 
     def order_key(self) -> OrderKey:
         """Where the batch stage applies it (`ingest.core.ordering`)."""

@@ -70,17 +70,29 @@ class _Pending:
     completed_us: int | None = None  # event time of the completing event
 
 
-def _check_cell(name: str, value: Any, type_: pa.DataType) -> None:
-    """Raise ValueError for a value the column cannot hold (the schema should have refused it;
-    this keeps one such row from failing the whole Arrow table of a poll)."""
-    if value is None or isinstance(value, bytes):
-        return
-    if pa.types.is_integer(type_):
-        bound = 1 << (type_.bit_width - 1)
-        if not isinstance(value, int) or not -bound <= value < bound:
-            raise ValueError(f"{name} {value!r} does not fit the {type_} column")
-    elif pa.types.is_string(type_):
-        value.encode("utf-8")
+def _cell_bounds(schema: pa.Schema) -> tuple[tuple[str, int | None], ...]:
+    """(column, bound) per column to check: the integer columns' 2**(bits-1), None for a
+    string column (its value must encode to UTF-8)."""
+    return tuple((f.name, 1 << (f.type.bit_width - 1) if pa.types.is_integer(f.type) else None)
+                 for f in schema
+                 if pa.types.is_integer(f.type) or pa.types.is_string(f.type))
+
+
+_EVENT_CELL_BOUNDS = _cell_bounds(EVENTS.schema)
+
+
+def _check_cells(row: dict[str, Any]) -> None:
+    """Raise ValueError for a value its `events` column cannot hold (the schema should have
+    refused it; this keeps one such row from failing the whole Arrow table of a poll)."""
+    for name, bound in _EVENT_CELL_BOUNDS:
+        value = row[name]
+        if value is None or isinstance(value, bytes):
+            continue
+        if bound is None:
+            value.encode("utf-8")
+        elif not isinstance(value, int) or not -bound <= value < bound:
+            raise ValueError(f"{name} {value!r} does not fit the "
+                             f"{EVENTS.schema.field(name).type} column")
 
 
 class ArchiveRows:
@@ -101,8 +113,7 @@ class ArchiveRows:
             "step": event.step if isinstance(event, GroupStarted) else None,
             "event_time": event_time_us,
         }
-        for name, value in row.items():
-            _check_cell(name, value, EVENTS.schema.field(name).type)
+        _check_cells(row)
         return row
 
     def append(self, row: dict[str, Any]) -> None:

@@ -224,3 +224,17 @@ def test_user_filters_get_python_lists_and_the_built_in_filter_no_token_lists():
     (bare,) = miles_group(builder.group, tokens_too=False)
     assert (bare.tokens, bare.loss_mask, bare.rollout_log_probs) == ([], None, None)
     assert (bare.reward, bare.response_length, bare.status) == (1.0, 3, "completed")
+
+
+def test_an_events_row_its_columns_cannot_hold_is_refused_naming_the_column():
+    from ingest.processor.group_stage import _check_cells
+
+    row = {"run_id": "r", "event_id": "e", "type": "reward", "group_index": 0, "rollout_id": 0,
+           "topic": "t", "partition": 0, "offset": 5, "payload": b"{}", "step": None}
+    _check_cells(row)
+    with pytest.raises(ValueError, match="partition 2147483648 does not fit the int32 column"):
+        _check_cells({**row, "partition": 2**31})
+    with pytest.raises(ValueError, match="group_index 'x' does not fit the int64 column"):
+        _check_cells({**row, "group_index": "x"})
+    with pytest.raises(UnicodeEncodeError):
+        _check_cells({**row, "event_id": "\ud800"})
