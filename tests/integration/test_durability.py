@@ -6,17 +6,21 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from kafka import TopicPartition
 
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.decisions import decision_header
+from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
 from ingest.processor.run_configs import RunConfigs
 from ingest.sdk.publisher import RolloutPublisher
@@ -394,3 +398,150 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
             == _table(ref, "training_batches", fragments))
     decisions = ["group_index", "decision", "reason", "batch_step"]
     assert _table(restarted, "groups", decisions) == _table(ref, "groups", decisions)
+
+
+class _ArchiveHangs(Lake):
+    """A lake whose first `events` commit hangs until `release` is set, then either goes
+    through or fails (a full disk, an S3 outage)."""
+
+    def __init__(self, root: str, *, fails: bool):
+        super().__init__(root)
+        self.release = threading.Event()
+        self.hanging = threading.Event()
+        self.fails = fails
+        self.hung_up_to = -1  # the last offset of the hung commit
+
+    def append(self, table, rows, marks=()):
+        if table == "events" and not self.hanging.is_set():
+            self.hung_up_to = max(mark.version for mark in marks)
+            self.hanging.set()
+            self.release.wait(timeout=60)
+            if self.fails:
+                raise OSError("no space left on device")
+        return super().append(table, rows, marks)
+
+
+def _decided_groups(kafka: KafkaSettings) -> list[int]:
+    """Group indexes of the decisions on the decisions topic, in topic order."""
+    consumer = kafka.consumer(group_id=None)
+    try:
+        tp = TopicPartition(kafka.topics.decisions, 0)
+        consumer.assign([tp])
+        end = consumer.end_offsets([tp])[tp]
+        consumer.seek_to_beginning(tp)
+        found: list[int] = []
+        deadline = time.monotonic() + 30
+        while consumer.position(tp) < end:
+            assert time.monotonic() < deadline, "the decisions topic could not be read"
+            for record in consumer.poll(timeout_ms=200).get(tp, []):
+                header = decision_header(record)
+                if header is not None:
+                    found.append(header.group_index)
+        return found
+    finally:
+        consumer.close()
+
+
+def _archived_events(lake: Lake) -> list[tuple[int, str, int]]:
+    """(group, event id, offset) of the run's archived group events."""
+    table = lake.read("events", columns=["group_index", "event_id", "offset"],
+                      filter=(pc.field("run_id") == SIM.run_id) & pc.field("group_index").is_valid())
+    return sorted(zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True))
+
+
+def _archiving_stage(kafka: KafkaSettings, lake_root: str, archive_lake: Lake) -> GroupStage:
+    """A group stage in its own consumer group whose archive commits go to `archive_lake`,
+    in polls of a few records, so the stream takes many of them."""
+    config = ProcessorConfig(kafka=kafka, lake=lake_root, max_poll_records=10,
+                             consumer_group=f"{kafka.topic_prefix}archiving")
+    stage = GroupStage(config, Lake(lake_root))
+    archive_lake.after_commit = stage.archive_lake.after_commit
+    stage.archive_lake = archive_lake
+    return stage
+
+
+def _poll_in_thread(stage: GroupStage, until: Callable[[], bool]) -> tuple[threading.Thread,
+                                                                           list[BaseException]]:
+    failures: list[BaseException] = []
+    gives_up_at = time.monotonic() + 120  # a stage that never gets there ends too
+
+    def poll() -> None:
+        try:
+            while not until() and time.monotonic() < gives_up_at:
+                stage.poll_once()
+        except BaseException as error:
+            failures.append(error)
+
+    polling = threading.Thread(target=poll, daemon=True)
+    polling.start()
+    return polling, failures
+
+
+def test_a_decision_goes_out_only_once_its_events_are_archived_while_the_stage_reads_on(
+        broker, tmp_path):
+    """The archive commit of a poll runs beside the next poll: the stage assembles more
+    records meanwhile, but no decision of the poll is published before its events are in
+    the lake, and none of the next poll's overtakes it."""
+    groups = list(open_loop_groups(SIM))
+    kafka = ordered_kafka(broker.bootstrap_servers, f"arch{uuid.uuid4().hex[:8]}.")
+    lake_root = str(tmp_path / "lake")
+    _publish_groups(kafka, groups, with_run=True)
+    archive = _ArchiveHangs(lake_root, fails=False)
+    stage = _archiving_stage(kafka, lake_root, archive)
+    def read() -> int:
+        return max((record.offset for record in stage.last_records.values()), default=-1)
+
+    polling, failures = _poll_in_thread(stage, lambda: archive.release.is_set() and stage.idle)
+    assert archive.hanging.wait(timeout=60), "nothing was archived"
+    deadline = time.monotonic() + 30
+    while read() <= archive.hung_up_to:  # the next poll is read and assembled meanwhile
+        assert time.monotonic() < deadline and polling.is_alive(), "the stage stopped reading"
+        time.sleep(0.01)
+    time.sleep(0.5)  # were anything published now, it would be on the topic by then
+    assert _decided_groups(kafka) == []
+    assert _archived_events(Lake(lake_root)) == []
+    archive.release.set()
+    polling.join(timeout=120)
+    assert not failures and not polling.is_alive()
+    stage.close()
+
+    decided = _decided_groups(kafka)
+    assert decided
+    assert set(decided) <= {group for group, _, _ in _archived_events(Lake(lake_root))}
+
+
+@pytest.mark.parametrize("run_on", [True, False], ids=["restart", "restart, no new events"])
+def test_a_failed_archive_commit_stops_the_stage_and_a_restart_archives_what_it_lost(
+        broker, tmp_path, run_on):
+    """No later poll may write past a failed archive commit: its dead letters' offsets or
+    the next archive commit would mark the lost events as stored, and the restart would
+    skip them (their groups never decided)."""
+    groups = list(open_loop_groups(SIM))
+    half = len(groups) // 2
+    kafka = ordered_kafka(broker.bootstrap_servers, f"archfail{uuid.uuid4().hex[:8]}.")
+    lake_root, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    _publish_groups(kafka, groups[:half], with_run=True)
+    archive = _ArchiveHangs(lake_root, fails=True)
+    stage = _archiving_stage(kafka, lake_root, archive)
+    polling, failures = _poll_in_thread(stage, lambda: False)
+    assert archive.hanging.wait(timeout=60), "nothing was archived"
+    archive.release.set()
+    polling.join(timeout=60)
+    assert [type(e) for e in failures] == [OSError]
+    stage.close()
+    assert _archived_events(Lake(lake_root)) == []
+    assert _decided_groups(kafka) == []
+
+    if run_on:
+        _publish_groups(kafka, groups[half:], with_run=False)
+    group_id = f"{kafka.topic_prefix}archiving"
+    restarted = run_processor(kafka, lake_root, idle_s=1.5, consumer_group=group_id)
+    assert not restarted.errors
+    run_processor(kafka, reference, idle_s=1.5, consumer_group=f"{kafka.topic_prefix}ref")
+    ref, lake = Lake(reference), Lake(lake_root)
+    assert _archived_events(lake) == _archived_events(ref)
+    assert _table(ref, "groups", ["group_index"])
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    assert _table(lake, "groups", decisions) == _table(ref, "groups", decisions)
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert _table(lake, "steps", steps) == _table(ref, "steps", steps)
