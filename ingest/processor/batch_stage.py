@@ -395,8 +395,11 @@ class BatchStage(Stage):
         failed: its offsets would be marked as written without its rows."""
         if previous is not None:
             previous.result()
+        # What the table held before this write: a step at or below it was written before
+        # a restart, by another commit than this one.
+        held = {p: self._recorded("training_batches", p) for p in marks}
         batch_version = self._write("training_batches", pending, marks)
-        new_steps = self._write_steps(pending, batch_version, marks)
+        new_steps = self._write_steps(pending, batch_version, held, marks)
         for run_id, step, sealed_at in new_steps:
             sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
             self.producer.send(self.topics.control, key=run_id.encode(),
@@ -446,7 +449,11 @@ class BatchStage(Stage):
         return version
 
     def _write_steps(self, pending: _Pending, batch_version: int | None,
-                     marks: dict[int, int]) -> list[tuple[str, int, float]]:
+                     batches_held: dict[int, int | None], marks: dict[int, int]
+                     ) -> list[tuple[str, int, float]]:
+        """`steps` rows of the poll's sealed steps, each with the `training_batches`
+        version holding its batch: `batch_version` (this seal's commit), unless the table
+        held the step's offset before it (`batches_held`), and then found in the log."""
         new_rows = []
         for run_id, step, offset, sealed in pending.sealed:
             partition = self.run_partition[run_id]
@@ -454,8 +461,8 @@ class BatchStage(Stage):
             if recorded is not None and offset <= recorded:
                 continue
             version = batch_version
-            tb_recorded = self._recorded("training_batches", partition)
-            if version is None or (tb_recorded is not None and offset <= tb_recorded):
+            held = batches_held.get(partition)
+            if version is None or (held is not None and offset <= held):
                 version = self._find_batch_version(run_id, step)
             new_rows.append(steps_row(run_id, sealed, version))
         if new_rows:

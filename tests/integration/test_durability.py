@@ -545,3 +545,68 @@ def test_a_failed_archive_commit_stops_the_stage_and_a_restart_archives_what_it_
     assert _table(lake, "groups", decisions) == _table(ref, "groups", decisions)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
     assert _table(lake, "steps", steps) == _table(ref, "steps", steps)
+
+
+class _StepsFailOnce(Lake):
+    """A lake whose first `steps` commit fails: the seal's batch is in `training_batches`,
+    its `steps` row is not (a crash between the two)."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.failed = False
+
+    def append(self, table, rows, marks=()):
+        if table == "steps" and not self.failed:
+            self.failed = True
+            raise OSError("no space left on device")
+        return super().append(table, rows, marks)
+
+
+def _assert_batch_versions_hold_their_steps(lake: Lake) -> None:
+    """Each step's `batch_version` is the `training_batches` commit that added its rows."""
+    steps = rows(lake, "steps", SIM.run_id)
+    assert len(steps) == SIM.steps
+    for step in steps:
+        of_step = (pc.field("run_id") == SIM.run_id) & (pc.field("step") == step["step"])
+        version = step["batch_version"]
+        assert lake.read("training_batches", version=version, filter=of_step).num_rows > 0
+        assert lake.read("training_batches", version=version - 1, filter=of_step).num_rows == 0
+
+
+def test_a_seal_records_its_own_batch_commit_and_a_restart_finds_an_earlier_one(
+        broker, tmp_path, monkeypatch):
+    """A step's `batch_version` is the commit its seal just made, taken as it is: the
+    search of the table's versions (a bisection, reading the log at each) is only for a
+    step whose batch a run before a restart wrote."""
+    kafka = ordered_kafka(broker.bootstrap_servers, f"bv{uuid.uuid4().hex[:8]}.")
+    _publish_groups(kafka, list(open_loop_groups(SIM)), with_run=True)
+    searched: list[str] = []
+    search = Lake.first_version_with
+
+    def counted(self: Lake, table: str, prune: str) -> int | None:
+        searched.append(prune)
+        return search(self, table, prune)
+
+    monkeypatch.setattr(Lake, "first_version_with", counted)
+    fresh = str(tmp_path / "fresh")
+    assert not run_processor(kafka, fresh, idle_s=1.5).errors
+    assert searched == []
+    _assert_batch_versions_hold_their_steps(Lake(fresh))
+
+    lake_root = str(tmp_path / "lake")
+    run_processor(kafka, lake_root, idle_s=1.5, stages="groups")
+    config = ProcessorConfig(kafka=kafka, lake=lake_root,
+                             consumer_group=f"{kafka.topic_prefix}steps-fail")
+    stage = BatchStage(config, _StepsFailOnce(lake_root))
+    with pytest.raises(OSError):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stage.poll_once()
+    stage.close()
+    assert rows(lake_root, "training_batches", SIM.run_id)
+    assert rows(lake_root, "steps", SIM.run_id) == []
+    restarted = run_processor(kafka, lake_root, idle_s=1.5, stages="batches",
+                              consumer_group=f"{kafka.topic_prefix}steps-fail")
+    assert not restarted.errors
+    assert searched  # the steps whose batches the failed run wrote
+    _assert_batch_versions_hold_their_steps(Lake(lake_root))
