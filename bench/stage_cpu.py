@@ -17,9 +17,9 @@ import orjson
 from ingest.commands.simulate import SimulationConfig, generate_group
 from ingest.core.assembly import GroupBuilder
 from ingest.core.batching import RunBatcher
-from ingest.core.decided import DecidedGroup, fragments_table, header_for
+from ingest.core.decide import decide
+from ingest.core.decided import fragments_table
 from ingest.core.filters import FilterArgs, apply_filter_chain, load_filter
-from ingest.core.model import FilterVerdict
 from ingest.processor.decisions import decode_fragments, encode_decision
 from schemas.events import RunConfig, decode_event
 
@@ -64,18 +64,19 @@ def main() -> None:
                                              for g in built])
     steps["fragments -> Arrow"], frags = best(
         lambda: [fragments_table(g, None, with_tokens=True) for g in built])
-    decided = [DecidedGroup(header_for(g, FilterVerdict(True), decided_at=1.0,
-                                       source={"partition": 0, "offset": 0}, at_us=1), f)
-               for g, f in zip(built, frags, strict=True)]
+    decided = [decide(g, cfg, at_us=1, source={"partition": 0, "offset": 0},
+                      decided_at=1.0).group for g in built]
     steps["decision -> Arrow IPC"], values = best(
         lambda: [encode_decision(d)[1] for d in decided])
     steps["Arrow IPC -> fragments (batch stage)"], _ = best(
         lambda: [decode_fragments(v) for v in values])
-    batch_config = cfg.model_copy(update={"rollout_batch_size": len(decided)})
+    # The kept groups fill one step: the last of them seals it.
+    kept = sum(d.header.decision == "kept" for d in decided)
+    batch_config = cfg.model_copy(update={"rollout_batch_size": kept})
 
-    def seal():  # one batcher: the last decision seals the step
+    def seal():  # one batcher: the last kept decision seals the step
         batcher = RunBatcher("b", batch_config)
-        return [batcher.offer(d, now=1.0) for d in decided][-1].sealed
+        return [s for d in decided for s in batcher.offer(d, now=1.0).sealed]
 
     steps["batcher: rows, advantages, hash"], sealed = best(seal)
     assert len(sealed) == 1
