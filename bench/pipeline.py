@@ -19,13 +19,16 @@ goes through four paths on this machine, one after the other:
      the SDK's compact form; per form, a bare consumer that reads and `orjson`-parses every
      message (the ceiling) beside `rolloutlake process --until-idle`, timed from its group
      stage joining its group to the last `steps` row (that run's own start-up left out) and
-     all in from the spawn.
+     all in from the spawn; and the bare cost of the processor's two Kafka hops (the
+     compact events read, parsed and forwarded a group per message, read again in a second
+     process).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -164,6 +167,68 @@ def bench_consume_parse(kafka: KafkaSettings) -> float:
     return elapsed
 
 
+def _read_forwarded(kafka: KafkaSettings, topic: str, expect: int, ready: Any, done: Any) -> None:
+    """The second hop's reader (a process of its own, as the batch stage is): reads `topic`
+    from its start until `expect` records came, then reports the wall-clock time."""
+    consumer = kafka.consumer(group_id=None)
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek_to_beginning(tp)
+    consumer.poll(timeout_ms=100)
+    ready.set()
+    seen = 0
+    while seen < expect:
+        for records in consumer.poll(timeout_ms=200).values():
+            seen += len(records)
+    done.put(time.time())
+    consumer.close()
+
+
+def bench_two_hops(kafka: KafkaSettings, groups: int, label: str) -> float:
+    """The bare cost of the processor's two Kafka hops: this process reads the pre-loaded
+    events topic to its end, `orjson`-parses every message and forwards each group's events
+    as one message (about a decision's size) to a topic of its own, uncompressed as
+    decisions are; a second process reads that topic to its end. Seconds from the first
+    read to the second reader's last record; no grouping, no validation, no lake."""
+    from kafka.admin import NewTopic
+
+    topic = f"{kafka.topic_prefix}two-hops-{label}"
+    admin = kafka.admin()
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    spawn = multiprocessing.get_context("spawn")
+    ready, done = spawn.Event(), spawn.Queue()
+    reader = spawn.Process(target=_read_forwarded, args=(kafka, topic, groups, ready, done))
+    reader.start()
+    if not ready.wait(timeout=60):
+        raise SystemExit("the two-hop reader did not start")
+    consumer = kafka.consumer(group_id=None)
+    producer = kafka.producer(compression_type=None)
+    tp = TopicPartition(kafka.topics.events, 0)
+    consumer.assign([tp])
+    end = consumer.end_offsets([tp])[tp]
+    consumer.seek_to_beginning(tp)
+    start = time.time()
+    position, key, values = 0, None, []
+    while position < end:
+        for records in consumer.poll(timeout_ms=200).values():
+            for record in records:
+                orjson.loads(record.value)
+                if record.key != key and values:
+                    producer.send(topic, key=key, value=b"".join(values))
+                    values = []
+                key = record.key
+                values.append(record.value)
+            position = records[-1].offset + 1
+    producer.send(topic, key=key, value=b"".join(values))
+    producer.flush()
+    finished = done.get(timeout=120)
+    reader.join(timeout=30)
+    producer.close()
+    consumer.close()
+    return finished - start
+
+
 def commits(table: Path) -> list[tuple[float, list[str], dict[str, int]]]:
     """(commit timestamp in s, files added, app transactions) of each commit, in order."""
     out = []
@@ -227,6 +292,8 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
     for rep in range(repeat):
         for form in forms:
             times.setdefault(f"{form} ceiling", []).append(bench_consume_parse(topics[form]))
+        times.setdefault("two hops", []).append(
+            bench_two_hops(topics["compact"], len(forms["compact"]), str(rep)))
         for path, (form, flags) in PRELOADED_PATHS.items():
             lake = folder / f"lake-{path.replace(' ', '-').replace(',', '')}-{rep}"
             total, processing = bench_process_preloaded(topics[form], sim.run_id, str(lake),
@@ -246,7 +313,10 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
         print(f"{path:<20}{sizes[form] / 2**20:>6.0f}{ceiling:>11.2f}{tokens / ceiling:>15,.0f}"
               f"{seconds:>11.2f}{tokens / seconds:>15,.0f}{ceiling / seconds:>11.2f}x"
               f"{all_in:>10.2f}{tokens / all_in:>14,.0f}")
-    lists_ceiling = min(times["JSON lists ceiling"])
+    lists_ceiling, two_hops = min(times["JSON lists ceiling"]), min(times["two hops"])
+    print(f"compact, two bare Kafka hops (read + orjson + forward per group, read in a second "
+          f"process): {two_hops:.2f} s, {tokens / two_hops:,.0f} tokens/s; compact process vs "
+          f"it: {two_hops / best['compact']:.2f}x")
     print(f"compact vs JSON lists, process: {best['JSON lists'] / best['compact']:.2f}x faster; "
           f"compact process vs the JSON-list ceiling: {lists_ceiling / best['compact']:.2f}x; "
           f"two processes vs one: {best['compact, 1 process'] / best['compact']:.2f}x faster")
