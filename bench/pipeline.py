@@ -147,14 +147,21 @@ def preload(kafka: KafkaSettings, run_id: str, config: dict, groups: list[list[b
                 pub.send_raw(pub.topics.events, key, raw)
 
 
-def bench_consume_parse(kafka: KafkaSettings) -> float:
-    """The ceiling: one kafka-python consumer reads the pre-loaded events topic to its end
-    and parses every message with orjson."""
+def _events_from_start(kafka: KafkaSettings) -> tuple[Any, int]:
+    """A consumer outside any group at the start of the (one-partition) events topic, and
+    the topic's end offset."""
     consumer = kafka.consumer(group_id=None)
     tp = TopicPartition(kafka.topics.events, 0)
     consumer.assign([tp])
     end = consumer.end_offsets([tp])[tp]
     consumer.seek_to_beginning(tp)
+    return consumer, end
+
+
+def bench_consume_parse(kafka: KafkaSettings) -> float:
+    """The ceiling: one kafka-python consumer reads the pre-loaded events topic to its end
+    and parses every message with orjson."""
+    consumer, end = _events_from_start(kafka)
     start = time.perf_counter()
     position = 0
     while position < end:
@@ -202,12 +209,8 @@ def bench_two_hops(kafka: KafkaSettings, groups: int, label: str) -> float:
     reader.start()
     if not ready.wait(timeout=60):
         raise SystemExit("the two-hop reader did not start")
-    consumer = kafka.consumer(group_id=None)
+    consumer, end = _events_from_start(kafka)
     producer = kafka.producer(compression_type=None)
-    tp = TopicPartition(kafka.topics.events, 0)
-    consumer.assign([tp])
-    end = consumer.end_offsets([tp])[tp]
-    consumer.seek_to_beginning(tp)
     start = time.time()
     position, key, values = 0, None, []
     while position < end:
