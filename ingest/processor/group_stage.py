@@ -194,21 +194,26 @@ class GroupStage(Stage):
 
     @property
     def idle(self) -> bool:
-        return super().idle and not (self.archiving is not None and not self.archiving.done())
+        return super().idle and (self.archiving is None or self.archiving.done())
 
     def _archive_written(self) -> None:
         """Wait for the poll handed to the archiver; raises its error."""
         if self.archiving is not None:
             self.archiving.result()
 
+    def _archive_settled(self) -> None:
+        """Wait for the poll handed to the archiver, its error left to the next commit
+        (which raises it)."""
+        if self.archiving is not None:
+            wait([self.archiving])
+
     # -- partition ownership ---------------------------------------------------------------
 
     def _release(self, partitions: set[int]) -> None:
         # An archive commit landing after a new owner took the partition over would add
-        # its rows a second time, and the decisions behind it would go out twice. (A
-        # failure is raised by the next poll: this runs inside the client's poll.)
-        if self.archiving is not None:
-            wait([self.archiving])
+        # its rows a second time, and the decisions behind it would go out twice. (This
+        # runs inside the client's poll.)
+        self._archive_settled()
         for key in [k for k, p in self.pending.items() if p.partition in partitions]:
             del self.pending[key]
         for partition in partitions:
@@ -405,10 +410,8 @@ class GroupStage(Stage):
         """(event_id, topic, partition, offset, raw) of the group's archived events, those
         of this poll (not committed yet) and of the poll in the archiver included; only
         `event_ids` when given."""
-        if self.archiving is not None:
-            # Its failure is raised by this poll's commit, not here: a handler's error
-            # would dead-letter the event.
-            wait([self.archiving])
+        # Not `_archive_written`: an error raised in a handler would dead-letter the event.
+        self._archive_settled()
         wanted = None if event_ids is None else set(event_ids)
         found: dict[str, tuple[str, str, int, int, bytes]] = {}
         c = batch.archive.columns

@@ -316,21 +316,45 @@ def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_pa
     assert issued[(0, "rollout/prompts_issued")] == 2.0
 
 
-class _FirstSealFails(Lake):
-    """A lake whose first `training_batches` commit hangs until `release` is set, then
-    fails (a full disk, an S3 outage)."""
+class _FirstCommitHangs(Lake):
+    """A lake whose first commit to `table` hangs until `release` is set, then fails (a full
+    disk, an S3 outage) or goes through."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, table: str, *, fails: bool):
         super().__init__(root)
+        self.table = table
         self.release = threading.Event()
-        self.failing = False
+        self.hanging = threading.Event()
+        self.fails = fails
+        self.hung_up_to = -1  # the last offset of the hung commit
 
     def append(self, table, rows, marks=()):
-        if table == "training_batches" and not self.failing:
-            self.failing = True
+        if table == self.table and not self.hanging.is_set():
+            self.hung_up_to = max((mark.version for mark in marks), default=-1)
+            self.hanging.set()
             self.release.wait(timeout=60)
-            raise OSError("no space left on device")
+            if self.fails:
+                raise OSError("no space left on device")
         return super().append(table, rows, marks)
+
+
+def _poll_in_thread(stage: GroupStage | BatchStage, until: Callable[[], bool]
+                    ) -> tuple[threading.Thread, list[BaseException]]:
+    """Poll `stage` on a thread of its own until `until()`, its first error (kept in the
+    returned list) or 120 s, so a stage that never gets there ends too."""
+    failures: list[BaseException] = []
+    gives_up_at = time.monotonic() + 120
+
+    def poll() -> None:
+        try:
+            while not until() and time.monotonic() < gives_up_at:
+                stage.poll_once()
+        except BaseException as error:
+            failures.append(error)
+
+    polling = threading.Thread(target=poll, daemon=True)
+    polling.start()
+    return polling, failures
 
 
 @pytest.mark.parametrize("snapshot_every", [7, 100_000], ids=["snapshots due", "seals only"])
@@ -349,23 +373,11 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
     config = ProcessorConfig(kafka=kafka, lake=lake_root,
                              consumer_group=f"{kafka.topic_prefix}failing",
                              snapshot_every=snapshot_every, max_poll_records=10)
-    lake = _FirstSealFails(lake_root)
+    lake = _FirstCommitHangs(lake_root, "training_batches", fails=True)
     stage = BatchStage(config, lake)
-    failures: list[BaseException] = []
-
-    gives_up_at = time.monotonic() + 120  # a stage that never fails ends too
-
-    def poll_until_it_fails() -> None:
-        try:
-            while time.monotonic() < gives_up_at:
-                stage.poll_once()
-        except BaseException as error:
-            failures.append(error)
-
-    polling = threading.Thread(target=poll_until_it_fails, daemon=True)
-    polling.start()
+    polling, failures = _poll_in_thread(stage, lambda: False)
     deadline = time.monotonic() + 60
-    while not (lake.failing and stage.sealing is not None):  # the first half's steps
+    while not (lake.hanging.is_set() and stage.sealing is not None):  # the first half's steps
         assert time.monotonic() < deadline and polling.is_alive(), "nothing was sealed"
         time.sleep(0.01)
     first_seal = stage.sealing
@@ -398,27 +410,6 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
             == _table(ref, "training_batches", fragments))
     decisions = ["group_index", "decision", "reason", "batch_step"]
     assert _table(restarted, "groups", decisions) == _table(ref, "groups", decisions)
-
-
-class _ArchiveHangs(Lake):
-    """A lake whose first `events` commit hangs until `release` is set, then either goes
-    through or fails (a full disk, an S3 outage)."""
-
-    def __init__(self, root: str, *, fails: bool):
-        super().__init__(root)
-        self.release = threading.Event()
-        self.hanging = threading.Event()
-        self.fails = fails
-        self.hung_up_to = -1  # the last offset of the hung commit
-
-    def append(self, table, rows, marks=()):
-        if table == "events" and not self.hanging.is_set():
-            self.hung_up_to = max(mark.version for mark in marks)
-            self.hanging.set()
-            self.release.wait(timeout=60)
-            if self.fails:
-                raise OSError("no space left on device")
-        return super().append(table, rows, marks)
 
 
 def _decided_groups(kafka: KafkaSettings) -> list[int]:
@@ -460,23 +451,6 @@ def _archiving_stage(kafka: KafkaSettings, lake_root: str, archive_lake: Lake) -
     return stage
 
 
-def _poll_in_thread(stage: GroupStage, until: Callable[[], bool]) -> tuple[threading.Thread,
-                                                                           list[BaseException]]:
-    failures: list[BaseException] = []
-    gives_up_at = time.monotonic() + 120  # a stage that never gets there ends too
-
-    def poll() -> None:
-        try:
-            while not until() and time.monotonic() < gives_up_at:
-                stage.poll_once()
-        except BaseException as error:
-            failures.append(error)
-
-    polling = threading.Thread(target=poll, daemon=True)
-    polling.start()
-    return polling, failures
-
-
 def test_a_decision_goes_out_only_once_its_events_are_archived_while_the_stage_reads_on(
         broker, tmp_path):
     """The archive commit of a poll runs beside the next poll: the stage assembles more
@@ -486,7 +460,7 @@ def test_a_decision_goes_out_only_once_its_events_are_archived_while_the_stage_r
     kafka = ordered_kafka(broker.bootstrap_servers, f"arch{uuid.uuid4().hex[:8]}.")
     lake_root = str(tmp_path / "lake")
     _publish_groups(kafka, groups, with_run=True)
-    archive = _ArchiveHangs(lake_root, fails=False)
+    archive = _FirstCommitHangs(lake_root, "events", fails=False)
     stage = _archiving_stage(kafka, lake_root, archive)
     def read() -> int:
         return max((record.offset for record in stage.last_records.values()), default=-1)
@@ -521,7 +495,7 @@ def test_a_failed_archive_commit_stops_the_stage_and_a_restart_archives_what_it_
     kafka = ordered_kafka(broker.bootstrap_servers, f"archfail{uuid.uuid4().hex[:8]}.")
     lake_root, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
     _publish_groups(kafka, groups[:half], with_run=True)
-    archive = _ArchiveHangs(lake_root, fails=True)
+    archive = _FirstCommitHangs(lake_root, "events", fails=True)
     stage = _archiving_stage(kafka, lake_root, archive)
     polling, failures = _poll_in_thread(stage, lambda: False)
     assert archive.hanging.wait(timeout=60), "nothing was archived"
@@ -545,21 +519,6 @@ def test_a_failed_archive_commit_stops_the_stage_and_a_restart_archives_what_it_
     assert _table(lake, "groups", decisions) == _table(ref, "groups", decisions)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
     assert _table(lake, "steps", steps) == _table(ref, "steps", steps)
-
-
-class _StepsFailOnce(Lake):
-    """A lake whose first `steps` commit fails: the seal's batch is in `training_batches`,
-    its `steps` row is not (a crash between the two)."""
-
-    def __init__(self, root: str):
-        super().__init__(root)
-        self.failed = False
-
-    def append(self, table, rows, marks=()):
-        if table == "steps" and not self.failed:
-            self.failed = True
-            raise OSError("no space left on device")
-        return super().append(table, rows, marks)
 
 
 def _assert_batch_versions_hold_their_steps(lake: Lake) -> None:
@@ -597,7 +556,11 @@ def test_a_seal_records_its_own_batch_commit_and_a_restart_finds_an_earlier_one(
     run_processor(kafka, lake_root, idle_s=1.5, stages="groups")
     config = ProcessorConfig(kafka=kafka, lake=lake_root,
                              consumer_group=f"{kafka.topic_prefix}steps-fail")
-    stage = BatchStage(config, _StepsFailOnce(lake_root))
+    # The seal's batch gets into `training_batches`, its `steps` row does not (a crash
+    # between the two).
+    steps_fail = _FirstCommitHangs(lake_root, "steps", fails=True)
+    steps_fail.release.set()
+    stage = BatchStage(config, steps_fail)
     with pytest.raises(OSError):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
