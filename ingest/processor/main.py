@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
@@ -35,6 +36,17 @@ STATUS_EVERY_S = 1.0
 CHILD_GRACE_S = 15.0
 CLOSE_TIMEOUT_S = 5.0
 CHILD_REPORTED = 2  # exit code of a batch-stage child that printed its one-line error itself
+
+
+def idle_for(stages: Sequence[GroupStage | BatchStage]) -> float:
+    """Seconds since the last activity of any of `stages`, or 0 while one is not idle.
+
+    `--until-idle` samples this: a stage busy for a moment (a watermark on its way out)
+    does not start the count again, only new activity, such as records or a take-over, does.
+    """
+    if not all(stage.idle for stage in stages):
+        return 0.0
+    return time.monotonic() - max(stage.last_activity for stage in stages)
 
 
 class Processor:
@@ -95,7 +107,7 @@ class Processor:
             if now - status_at >= STATUS_EVERY_S:
                 status_at = now
                 self._write_status()
-            idle = min(self._idle_for(), now - running_since)
+            idle = min(idle_for(self.stages), now - running_since)
             if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
                 self.stop_event.set()
@@ -125,11 +137,6 @@ class Processor:
         if self.config.status_dir is not None:
             for stage in self.stages:
                 write_status(self.config.status_dir, stage.health)
-
-    def _idle_for(self) -> float:
-        if not all(stage.idle for stage in self.stages):
-            return 0.0
-        return time.monotonic() - max(stage.last_activity for stage in self.stages)
 
     def stop(self, *_: object) -> None:
         self.stop_event.set()

@@ -27,7 +27,7 @@ from ingest.processor import stage as stage_module
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
-from ingest.processor.main import Processor
+from ingest.processor.main import Processor, idle_for
 from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
 from tests.support.suite_kafka import suite_kafka
 
@@ -264,10 +264,9 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
             while stage.owned:  # the joiner's rebalance revokes the stage's partition
                 assert time.monotonic() < deadline + 60, "no rebalance revoked the partition"
                 stage.poll_once()
-            idle_since = None
-            while idle_since is None or time.monotonic() - idle_since < 2.0:  # --until-idle 2
+            while idle_for([stage]) < 2.0:  # --until-idle 2
+                assert time.monotonic() < deadline + 120, "the stage never became idle"
                 stage.poll_once()
-                idle_since = (idle_since or time.monotonic()) if stage.idle else None
         finally:
             stop.set()
             joining.join()
