@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -286,9 +287,10 @@ class KafkaSettings(BaseModel):
             except KafkaError as err:
                 reason = self._explain(seen)
                 if reason is None:
+                    last = _last_connection_error(seen)
                     raise BrokerUnavailableError(
                         f"no Kafka broker answers at {self.bootstrap_servers} "
-                        f"({type(err).__name__})"
+                        f"({type(err).__name__}{'' if last is None else '; last: ' + last})"
                     ) from None
                 raise BrokerUnavailableError(
                     f"cannot connect to Kafka at {self.bootstrap_servers}: {reason}"
@@ -355,6 +357,25 @@ _NOT_TLS_SIGNS = ("WRONG_VERSION_NUMBER", "record layer failure", "UNEXPECTED_EO
 # A TLS alert record (0x15 0x03 0x03 ...) read as a Kafka frame length: a plaintext client
 # talking to a TLS listener.
 _TLS_ALERT_FRAME = f"Invalid frame length: {int.from_bytes(bytes([0x15, 0x03, 0x03, 0x00]), 'big')}"
+
+
+# kafka-python's connection errors as it logs them: "Connection failed: KafkaTimeoutError:
+# SASL Authentication timed out", "Bootstrap connection to bootstrap-0 failed:
+# KafkaConnectionError: 111 ECONNREFUSED (backoff 0.12 secs)", "Bootstrap attempt to ...
+# failed: ..."; not its giving up ("Bootstrap failed: ... Unable to bootstrap"), which the
+# message says already.
+_CONNECTION_ERROR = re.compile(
+    r"(?:[Cc]onnection|attempt)\b.*?(\w+Error: [^()]*?)\s*(?:\(backoff [^)]*\))?$")
+
+
+def _last_connection_error(seen: list[str]) -> str | None:
+    """The last connection error kafka-python logged: a broker that is there but too slow
+    to finish a TLS handshake or a SASL login reads differently from a closed port."""
+    for message in reversed(seen):
+        found = _CONNECTION_ERROR.search(message)
+        if found:
+            return found.group(1)
+    return None
 
 
 def security_from_env(env: Mapping[str, str], *, skip: Any = ()) -> dict[str, Any]:

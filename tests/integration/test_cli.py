@@ -71,7 +71,8 @@ def test_a_required_flag_is_one_line():
 def test_unreachable_broker_is_one_line(tmp_path):
     line = one_line_error(cli("process", "--bootstrap-servers", "127.0.0.1:1", "--lake",
                               str(tmp_path)))
-    assert line == "rolloutlake process: no Kafka broker answers at 127.0.0.1:1 (KafkaTimeoutError)"
+    assert line == ("rolloutlake process: no Kafka broker answers at 127.0.0.1:1 "
+                    "(KafkaTimeoutError; last: KafkaConnectionError: 111 ECONNREFUSED)")
 
 
 def test_broker_port_taken_and_binary_missing(broker):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ingest.io.kafka import _connection_errors
+from ingest.io.kafka import _connection_errors, _last_connection_error
 
 
 def test_the_connection_window_leaves_kafka_loggers_as_quiet_as_before():
@@ -52,3 +52,19 @@ def test_two_stages_building_clients_at_once_leave_the_kafka_logger_as_it_was():
     finally:
         kafka_log.setLevel(saved)
         kafka_log.propagate = True
+
+
+def test_a_failed_bootstrap_names_the_last_connection_error_kafka_python_logged():
+    """A broker too slow to finish a TLS handshake or SASL login is not a closed port: the
+    one-line error says which, from the lines kafka-python logged while it retried."""
+    refused = ["Bootstrap bootstrap-0 not ready; waiting 0.12 secs",
+               "Bootstrap connection to bootstrap-0 failed: KafkaConnectionError: "
+               "111 ECONNREFUSED (backoff 0.12 secs)",
+               "Bootstrap bootstrap-0 not ready; waiting 0.45 secs"]
+    assert _last_connection_error(refused) == "KafkaConnectionError: 111 ECONNREFUSED"
+    slow = [*refused, "Connection failed: KafkaTimeoutError: SASL Authentication timed out"]
+    assert _last_connection_error(slow) == "KafkaTimeoutError: SASL Authentication timed out"
+    gave_up = [*refused, "Bootstrap failed: KafkaTimeoutError: Unable to bootstrap from "
+                         "['127.0.0.1:1']"]
+    assert _last_connection_error(gave_up) == "KafkaConnectionError: 111 ECONNREFUSED"
+    assert _last_connection_error(["Bootstrap bootstrap-0 not ready; waiting 1.49 secs"]) is None
