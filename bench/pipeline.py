@@ -82,17 +82,9 @@ def bench_jsonl(groups: list[list[bytes]], folder: Path) -> float:
 
 
 def bench_bare_kafka(kafka: KafkaSettings, groups: list[list[bytes]]) -> float:
-    topic = kafka.topic_prefix + "bare"
-    admin = kafka.admin()
-    from kafka.admin import NewTopic
-
-    admin.create_topics([NewTopic(topic, 1, 1)])
-    admin.close()
+    topic = _one_partition_topic(kafka, "bare")
     total = sum(len(e) for e in groups)
-    consumer = kafka.consumer(group_id=None)
-    tp = TopicPartition(topic, 0)
-    consumer.assign([tp])
-    consumer.seek_to_beginning(tp)
+    consumer, _ = _from_start(kafka, topic)
     producer = kafka.producer()
     start = time.perf_counter()
 
@@ -147,11 +139,22 @@ def preload(kafka: KafkaSettings, run_id: str, config: dict, groups: list[list[b
                 pub.send_raw(pub.topics.events, key, raw)
 
 
-def _events_from_start(kafka: KafkaSettings) -> tuple[Any, int]:
-    """A consumer outside any group at the start of the (one-partition) events topic, and
-    the topic's end offset."""
+def _one_partition_topic(kafka: KafkaSettings, name: str) -> str:
+    """Create the bench's own topic `name` (under the topic prefix), one partition."""
+    from kafka.admin import NewTopic
+
+    topic = f"{kafka.topic_prefix}{name}"
+    admin = kafka.admin()
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    return topic
+
+
+def _from_start(kafka: KafkaSettings, topic: str) -> tuple[Any, int]:
+    """A consumer outside any group at the start of the one-partition `topic`, and the
+    topic's end offset."""
     consumer = kafka.consumer(group_id=None)
-    tp = TopicPartition(kafka.topics.events, 0)
+    tp = TopicPartition(topic, 0)
     consumer.assign([tp])
     end = consumer.end_offsets([tp])[tp]
     consumer.seek_to_beginning(tp)
@@ -161,7 +164,7 @@ def _events_from_start(kafka: KafkaSettings) -> tuple[Any, int]:
 def bench_consume_parse(kafka: KafkaSettings) -> float:
     """The ceiling: one kafka-python consumer reads the pre-loaded events topic to its end
     and parses every message with orjson."""
-    consumer, end = _events_from_start(kafka)
+    consumer, end = _from_start(kafka, kafka.topics.events)
     start = time.perf_counter()
     position = 0
     while position < end:
@@ -177,10 +180,7 @@ def bench_consume_parse(kafka: KafkaSettings) -> float:
 def _read_forwarded(kafka: KafkaSettings, topic: str, expect: int, ready: Any, done: Any) -> None:
     """The second hop's reader (a process of its own, as the batch stage is): reads `topic`
     from its start until `expect` records came, then reports the wall-clock time."""
-    consumer = kafka.consumer(group_id=None)
-    tp = TopicPartition(topic, 0)
-    consumer.assign([tp])
-    consumer.seek_to_beginning(tp)
+    consumer, _ = _from_start(kafka, topic)
     consumer.poll(timeout_ms=100)
     ready.set()
     seen = 0
@@ -197,19 +197,14 @@ def bench_two_hops(kafka: KafkaSettings, groups: int, label: str) -> float:
     as one message (about a decision's size) to a topic of its own, uncompressed as
     decisions are; a second process reads that topic to its end. Seconds from the first
     read to the second reader's last record; no grouping, no validation, no lake."""
-    from kafka.admin import NewTopic
-
-    topic = f"{kafka.topic_prefix}two-hops-{label}"
-    admin = kafka.admin()
-    admin.create_topics([NewTopic(topic, 1, 1)])
-    admin.close()
+    topic = _one_partition_topic(kafka, f"two-hops-{label}")
     spawn = multiprocessing.get_context("spawn")
     ready, done = spawn.Event(), spawn.Queue()
     reader = spawn.Process(target=_read_forwarded, args=(kafka, topic, groups, ready, done))
     reader.start()
     if not ready.wait(timeout=60):
         raise SystemExit("the two-hop reader did not start")
-    consumer, end = _events_from_start(kafka)
+    consumer, end = _from_start(kafka, kafka.topics.events)
     producer = kafka.producer(compression_type=None)
     start = time.time()
     position, key, values = 0, None, []
