@@ -226,6 +226,9 @@ class GroupStage(Stage):
         # The rebuild publishes watermarks of every owned partition: never before the
         # decisions still in the archiver that they cover.
         self._archive_written()
+        # The archiver is idle now. Its handle may predate another owner's archive commits
+        # to these partitions: its first commit would conflict with them and retry.
+        self.archive_lake.refresh("events")
         self.runs.catch_up()
         decided = self.lake.read("groups", columns=["run_id", "group_index"])
         for key in zip(decided.column("run_id").to_pylist(),

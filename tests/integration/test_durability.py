@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -16,12 +17,13 @@ from kafka import TopicPartition
 
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
 from ingest.io.kafka import KafkaSettings
-from ingest.io.lake import Lake
+from ingest.io.lake import Lake, TxnMark
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import decision_header
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
+from ingest.processor.offsets import app_id
 from ingest.processor.run_configs import RunConfigs
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import RolloutlakeError
@@ -573,3 +575,45 @@ def test_a_seal_records_its_own_batch_commit_and_a_restart_finds_an_earlier_one(
     assert not restarted.errors
     assert searched  # the steps whose batches the failed run wrote
     _assert_batch_versions_hold_their_steps(Lake(lake_root))
+
+
+def test_a_take_over_of_a_partition_archived_elsewhere_meanwhile_commits_without_a_conflict(
+        broker, tmp_path, caplog):
+    """The archiver writes through a table handle of its own. A partition that went to
+    another instance and came back was archived there meanwhile: the first archive commit
+    after the take-over must start from the table as it is now, not go through a conflict
+    with the other instance's commit and a retry (a warning at every such take-over)."""
+    kafka = ordered_kafka(broker.bootstrap_servers, f"back{uuid.uuid4().hex[:8]}.")
+    lake_root = str(tmp_path / "lake")
+    run = "came-back"
+    opened = [event("group_started", run, group_index=g, step=0, n_samples=1) for g in range(3)]
+    publish(kafka, run, {"n_samples_per_prompt": 1, "rollout_batch_size": 1}, opened[:1])
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))
+    try:
+        _poll_until_idle(stage)  # group 0 archived through the archiver's handle
+        owned = set(stage.consumer.assignment())
+        stage.on_partitions_revoked(owned)
+        publish(kafka, run, None, opened[1:2])
+        # Another instance owns the partition now and archives group 1's event.
+        other = Lake(lake_root)
+        ends = stage.consumer.end_offsets(list(owned))
+        other.append("events", other.spec("events").schema.empty_table(),
+                     [TxnMark(app_id("events", tp.topic, tp.partition), ends[tp] - 1)
+                      for tp in owned])
+        publish(kafka, run, None, opened[2:])
+        caplog.set_level(logging.WARNING, logger="ingest.io.lake")
+        stage.on_partitions_assigned(owned)  # and it comes back
+        _poll_until_idle(stage)
+    finally:
+        stage.close()
+    assert "concurrent commit" not in caplog.text
+    archived = rows(lake_root, "events", run)
+    assert sorted(r["group_index"] for r in archived if r["type"] == "group_started") == [0, 2]
+
+
+def _poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    stage.poll_once()
+    while not stage.idle:
+        assert time.monotonic() < deadline, "the stage did not become idle"
+        stage.poll_once()
