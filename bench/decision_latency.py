@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from kafka import TopicPartition
 from pipeline import _spawn, _warm_up, commits, stream
+from scratch import scratch_folder
 
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
@@ -81,7 +81,7 @@ def hops(steps: int, compact_every: int) -> None:
                            response_len_mean=2048, prompt_len=256, mode="open",
                            duplicate_rate=0.0, seed=4)
     groups = stream(sim)
-    root = Path(tempfile.mkdtemp(prefix="rolloutlake-latency-")) / "lake"
+    root = scratch_folder("rolloutlake-latency-") / "lake"
     sent: dict[int, float] = {}
     with EmbeddedBroker(free_port()) as broker:
         kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="lat.",
@@ -131,7 +131,7 @@ def hops(steps: int, compact_every: int) -> None:
 def growth(count: int) -> None:
     print(f"one-row appends through Lake.append, mean of each 50 ({count} commits, one file each):")
     for compact in (0, COMPACT_EVERY):
-        lake = Lake(tempfile.mkdtemp(prefix="rolloutlake-commits-"))
+        lake = Lake(str(scratch_folder("rolloutlake-commits-")))
         compaction = BackgroundCompaction(lake, ["dead_letters"], compact)
         schema = lake.spec("dead_letters").schema
         row = {f.name: None for f in schema}

@@ -30,7 +30,6 @@ import gc
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,6 +39,8 @@ import numpy as np
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scratch import scratch_folder  # noqa: E402
 
 from ingest.io.broker import EmbeddedBroker, free_port  # noqa: E402
 from ingest.io.kafka import KafkaSettings  # noqa: E402
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--skip-ingest", action="store_true",
                         help="only the prompt-serving part")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    root = scratch_folder("gateway-bench-")
     with EmbeddedBroker(free_port()) as broker:
         kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="bench.")
         kafka.ensure_topics()

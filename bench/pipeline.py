@@ -42,6 +42,7 @@ import numpy as np
 import orjson
 import pyarrow.compute as pc
 from kafka import TopicPartition
+from scratch import scratch_folder
 
 from ingest.commands.replay import archived_config, replay_run, write_effects
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
@@ -419,7 +420,7 @@ def main() -> None:
     size = sum(len(raw) for events in groups for raw in events)
     print(f"stream: {len(groups)} groups, {samples} samples, {tokens / samples:.0f} response "
           f"tokens per sample, {size / 2**20:.0f} MiB of JSON events (compact token arrays)")
-    folder = Path(tempfile.mkdtemp(prefix="rolloutlake-bench-"))
+    folder = scratch_folder("rolloutlake-bench-")
     with EmbeddedBroker(free_port()) as broker:
         def settings(prefix: str) -> KafkaSettings:
             return KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix=prefix,

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from pipeline import joined_at, preload, stream
+from scratch import scratch_folder
 
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
@@ -101,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant or ["now=."]]
     groups = stream(TINY)
-    folder = Path(tempfile.mkdtemp(prefix="rolloutlake-startup-"))
+    folder = scratch_folder("rolloutlake-startup-")
     times: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in variants}
     load_before = os.getloadavg()[0]
     with EmbeddedBroker(free_port(), engine=args.engine) as broker:
