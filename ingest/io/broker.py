@@ -14,6 +14,7 @@ import argparse
 import base64
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -282,7 +283,7 @@ class EmbeddedBroker:
         formatted = self.kafka_tool("kafka.tools.StorageTool", "format", "--ignore-formatted",
                                     "-t", _kafka_cluster_id(), "-c", str(properties))
         if formatted.returncode != 0:
-            reason = _last_line(formatted.stderr or formatted.stdout)
+            reason = _failure_line(f"{formatted.stderr}\n{formatted.stdout}")
             raise BrokerStartError(f"formatting Apache Kafka's storage failed: {reason}")
         return [*self._kafka_jvm(), "kafka.Kafka", str(properties)]
 
@@ -322,7 +323,7 @@ class EmbeddedBroker:
             return ""
         with open(self._log_path, "rb") as f:
             f.seek(max(0, self._log_path.stat().st_size - _LOG_TAIL_BYTES))
-            line = _last_line(f.read().decode(errors="replace"))
+            line = _failure_line(f.read().decode(errors="replace"))
         return f": {line}" if line else ""
 
     def stop(self) -> None:
@@ -344,9 +345,18 @@ class EmbeddedBroker:
         self.stop()
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+# A stack frame of a Java ("at ...", "... 8 more") or Rust ("at src/...") trace.
+_STACK_FRAME = re.compile(r"at \S|\.\.\. \d+ more$")
+
+
+def _failure_line(text: str) -> str:
+    """The line of a tool's output that says why it failed: the last root cause of a stack
+    trace ("Caused by: ..."), else the last line that is not a stack frame. (A failed
+    format once ended its output with "... 8 more", which said nothing.)"""
+    said = [line for line in (raw.strip() for raw in text.splitlines())
+            if line and not _STACK_FRAME.match(line)]
+    causes = [line for line in said if line.startswith("Caused by:")]
+    return (causes or said or [""])[-1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -164,6 +164,23 @@ def test_a_kafka_that_fails_to_start_says_why_in_one_line(tmp_path):
         f"127.0.0.1:{port}: ERROR Exiting Kafka due to fatal exception")
 
 
+def test_a_format_that_fails_with_a_stack_trace_names_its_root_cause(tmp_path):
+    """Java prints a stack trace whose last line ("... 8 more") says nothing: the line
+    names the trace's root cause (a CI run once showed only "... 8 more")."""
+    trace = "\n".join([
+        "echo 'Exception in thread \"main\" java.lang.RuntimeException: Failed to format' >&2",
+        "echo '\tat kafka.tools.StorageTool$.main(StorageTool.scala:48)' >&2",
+        "echo 'Caused by: java.nio.file.AccessDeniedException: /tmp/data/meta.properties' >&2",
+        "echo '\tat java.base/sun.nio.fs.UnixException.translateToIOException(Unix.java:90)' >&2",
+        "echo '\t... 8 more' >&2",
+        "exit 1",
+    ])
+    java = _fake_java(tmp_path / "trace", trace + "\n")
+    assert _one_line_error("kafka", free_port(), {"JAVA_HOME": java}) == (
+        "rolloutlake broker: formatting Apache Kafka's storage failed: Caused by: "
+        "java.nio.file.AccessDeniedException: /tmp/data/meta.properties")
+
+
 def test_unknown_engine_is_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "broker", "--engine", "redpanda"],
