@@ -19,6 +19,9 @@ from tests.support.engine_under_test import engine_flags, engine_under_test
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "ingest.cli"]
+# Room for samples that take seconds to generate: a seal has to land in the middle of one
+# also when a loaded machine delays it (the partial-rollout test).
+MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -37,7 +40,8 @@ def running_engine(root: Path) -> Iterator[RunningEngine]:
     log_file = root / "engine.log"
     process = subprocess.Popen(
         [*CLI, "engine", "--port", str(port), "--tiny-dir", str(root / "tiny"),
-         *engine_flags(engine_under_test()), "--log-file", str(log_file)],
+         "--max-model-len", str(MAX_MODEL_LEN), *engine_flags(engine_under_test()),
+         "--log-file", str(log_file)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready = process.stdout.readline()  # the command prints one line once /health answers
     if "engine ready" not in ready:
