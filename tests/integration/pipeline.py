@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
+from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
@@ -111,3 +112,12 @@ def stuck_member(kafka: KafkaSettings, group_id: str) -> Any:
         consumer.close()
         raise AssertionError(f"a member of {group_id} did not join within 30 s")
     return consumer
+
+
+def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
+    """Poll `stage` (in this process) until it is idle; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    stage.poll_once()
+    while not stage.idle:
+        assert time.monotonic() < deadline, "the stage did not become idle"
+        stage.poll_once()

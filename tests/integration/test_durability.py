@@ -29,7 +29,15 @@ from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import RolloutlakeError
 from schemas.events import event_group_key
 from schemas.tables import BATCH_STATE
-from tests.integration.pipeline import event, ordered_kafka, publish, rows, run_processor, sample
+from tests.integration.pipeline import (
+    event,
+    ordered_kafka,
+    poll_until_idle,
+    publish,
+    rows,
+    run_processor,
+    sample,
+)
 from tests.support.suite_kafka import suite_kafka
 
 SIM = SimulationConfig(
@@ -590,7 +598,7 @@ def test_a_take_over_of_a_partition_archived_elsewhere_meanwhile_commits_without
     publish(kafka, run, {"n_samples_per_prompt": 1, "rollout_batch_size": 1}, opened[:1])
     stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))
     try:
-        _poll_until_idle(stage)  # group 0 archived through the archiver's handle
+        poll_until_idle(stage)  # group 0 archived through the archiver's handle
         owned = set(stage.consumer.assignment())
         stage.on_partitions_revoked(owned)
         publish(kafka, run, None, opened[1:2])
@@ -603,17 +611,9 @@ def test_a_take_over_of_a_partition_archived_elsewhere_meanwhile_commits_without
         publish(kafka, run, None, opened[2:])
         caplog.set_level(logging.WARNING, logger="ingest.io.lake")
         stage.on_partitions_assigned(owned)  # and it comes back
-        _poll_until_idle(stage)
+        poll_until_idle(stage)
     finally:
         stage.close()
     assert "concurrent commit" not in caplog.text
     archived = rows(lake_root, "events", run)
     assert sorted(r["group_index"] for r in archived if r["type"] == "group_started") == [0, 2]
-
-
-def _poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    stage.poll_once()
-    while not stage.idle:
-        assert time.monotonic() < deadline, "the stage did not become idle"
-        stage.poll_once()

@@ -217,18 +217,23 @@ def _processor(kafka, lake_root: str) -> subprocess.Popen[str]:
 SEAL_MID_GENERATION_TRIES = 3
 
 
+def _read_until_step_waits(worker: subprocess.Popen[str], step: int) -> None:
+    """Read the worker's log until step `step` waits for weight version `step` (the steps
+    before it done); fails if the worker exits first."""
+    assert worker.stderr is not None
+    for line in worker.stderr:
+        if f"step {step} waits for weight version {step}" in line:
+            return
+    pytest.fail(f"worker exited with {worker.wait()} before step {step}")
+
+
 def _kill_once_step_1_waits(command: list[str], env: dict[str, str]) -> None:
     """Run the worker `command` until its step 0 is done (recycles included) and step 1
     waits for weights that never come, then kill -9 it."""
     worker = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=env)
-    assert worker.stderr is not None
     try:
-        for line in worker.stderr:
-            if "step 1 waits for weight version 1" in line:
-                break
-        else:
-            pytest.fail(f"worker exited with {worker.wait()} before step 1")
+        _read_until_step_waits(worker, 1)
         time.sleep(1.0)  # its last sample_aborted events leave the producer
     finally:
         worker.kill()
@@ -338,11 +343,7 @@ def test_weights_updated_reloads_the_engine_and_stamps_the_new_version(
                        "--weight-version", "4", "--seal-wait-s", "0"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for line in worker.stderr:
-            if "step 5 waits for weight version 5" in line:
-                break
-        else:
-            pytest.fail(f"worker exited with {worker.wait()} before step 5")
+        _read_until_step_waits(worker, 5)
         producer = kafka.producer()
         announcement = WeightsUpdated(run_id=run_id, step=4, path=str(tmp_path / "zeroed"),
                                       version=5)

@@ -28,7 +28,14 @@ from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
 from ingest.processor.main import Processor, idle_for
-from tests.integration.pipeline import event, ordered_kafka, publish, run_processor, sample
+from tests.integration.pipeline import (
+    event,
+    ordered_kafka,
+    poll_until_idle,
+    publish,
+    run_processor,
+    sample,
+)
 from tests.support.suite_kafka import suite_kafka
 
 # The session timeout of the tests' own members (Tansu answers a join after half of it)
@@ -220,14 +227,6 @@ def idle_group_stage(kafka: KafkaSettings, tmp_path: Path, run: str | None) -> G
 def poll_for(stage: GroupStage, seconds: float) -> None:
     until = time.monotonic() + seconds
     while time.monotonic() < until:
-        stage.poll_once()
-
-
-def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    stage.poll_once()
-    while not stage.idle:
-        assert time.monotonic() < deadline, "the stage did not become idle"
         stage.poll_once()
 
 
