@@ -152,11 +152,44 @@ def report(kafka: KafkaSettings, got: Lake, ref: Lake, run_id: str, logs: Path,
         marks = {t: got.txn_version(t, app_id(t, topic, partition)) for t in TABLES_WITH_MARKS}
         last = max(r.offset for r in records if r.partition == partition)
         lines.append(f"decisions p{partition}: last offset {last}, recorded {orjson.dumps(marks).decode()}")
-    lines.append("timeline:")
+    lines.extend(_timeline_and_logs(logs, timeline))
+    return "\n".join(lines)
+
+
+def stall_report(kafka: KafkaSettings, got: Lake, run_id: str, logs: Path,
+                 timeline: list[str]) -> str:
+    """Why a step did not seal: the run's decisions on `rollout.decisions` that the
+    watermarks after them never released, each events partition's last watermark per
+    decisions partition, the steps the lake holds, then the timeline and the logs."""
+    records = _decisions_records(kafka)
+    released = _release_offsets(records, kafka.event_partitions)
+    lines = []
+    for record in records:
+        header = decision_header(record)
+        if header is not None and header.run_id == run_id:
+            at = released[(record.partition, record.offset)]
+            lines.append(f"decision p{record.partition}@{record.offset} group "
+                         f"{header.group_index} step {header.step} {header.decision} key "
+                         f"{header.order_key()} released at {at}")
+    last_marks: dict[tuple[int, int], dict[str, Any]] = {}
+    for record in records:
+        mark = watermark_notice(record)
+        if mark is not None:
+            last_marks[(record.partition, mark["partition"])] = {**mark, "offset": record.offset}
+    lines.extend(f"last watermark on decisions p{p} of events p{e}: {mark}"
+                 for (p, e), mark in sorted(last_marks.items()))
+    steps = got.read("steps").to_pylist() if got.exists("steps") else []
+    lines.append(f"steps in the lake: {sorted(r['step'] for r in steps if r['run_id'] == run_id)}")
+    lines.extend(_timeline_and_logs(logs, timeline))
+    return "\n".join(lines)
+
+
+def _timeline_and_logs(logs: Path, timeline: list[str]) -> list[str]:
+    lines = ["timeline:"]
     lines.extend(f"  {entry}" for entry in timeline)
     for log in sorted(logs.iterdir()):
         marked = [line for line in log.read_text(errors="replace").splitlines()
                   if any(m in line for m in LOG_MARKERS)]
         lines.append(f"{log.name}: {len(marked)} lines of note")
         lines.extend(f"  {line[:300]}" for line in marked[-MAX_LOG_LINES:])
-    return "\n".join(lines)
+    return lines

@@ -156,7 +156,10 @@ def test_two_instances_killed_at_random_moments_change_nothing(broker, tmp_path)
             other = _spawn(chaos, chaos_lake, logs)
     simulation.join(timeout=200)
     phases = {"chaos": time.monotonic() - started}
-    assert not failures, failures
+    if failures:
+        pytest.fail(f"{failures[0]} (seed {seed}; logs in {logs})\n"
+                    + chaos_report.stall_report(chaos, Lake(chaos_lake), SIM.run_id, logs,
+                                                TIMELINE))
     assert not simulation.is_alive(), "the simulation did not finish"
     _kill(victim)
     _kill(other)
