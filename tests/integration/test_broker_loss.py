@@ -26,6 +26,7 @@ from tests.integration.pipeline import (
     sample,
     stuck_member,
 )
+from tests.support.freezes import frozen_seconds
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 
@@ -228,15 +229,19 @@ def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp
     assert _status(status_dir, "groups")["partitions"] == [0]
 
     os.kill(own_broker.process.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
+    killed_at = time.time()
     seen_unreachable = False
-    while process.poll() is None and time.monotonic() - killed_at < 60:
+    while process.poll() is None and time.time() - killed_at < 90:
         seen_unreachable |= _status(status_dir, "groups")["state"] == "broker-unreachable"
         time.sleep(0.3)
     _, stderr = process.communicate(timeout=30)
-    took = time.monotonic() - killed_at
+    exited_at = time.time()
+    took = exited_at - killed_at
     assert process.returncode == 2, stderr
-    assert 6 <= took < 40, took
+    # CI saw 55 s, 52 of them with the machine standing still (the processor's own
+    # freeze lines): the bound is on the time the processor ran.
+    ran = took - frozen_seconds(stderr, killed_at, exited_at)
+    assert 6 <= took and ran < 40, (took, ran)
     assert seen_unreachable
     lines = our_lines(stderr)
     assert "Traceback" not in stderr and "kafka." not in stderr, stderr
