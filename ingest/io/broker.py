@@ -196,6 +196,10 @@ def kafka_server_properties(host: str, port: int, controller_port: int, data_dir
         "share.coordinator.state.topic.replication.factor": "1",
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
+        # The node's controller fences its own broker after this long without a heartbeat
+        # (9 s by default): on a starved machine, one freeze of the JVM made every topic
+        # creation fail with "All brokers are currently fenced" until the next heartbeat.
+        "broker.session.timeout.ms": "60000",
         # 8 MiB events plus framing, as KafkaSettings' clients send them.
         "message.max.bytes": str(9 * 1024 * 1024),
         "replica.fetch.max.bytes": str(9 * 1024 * 1024),

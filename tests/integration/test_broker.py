@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
 
@@ -191,3 +192,20 @@ def test_unknown_engine_is_one_line():
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("rolloutlake broker: error: argument --engine: invalid choice: "
                            "'redpanda' (choose from ")
+
+
+def test_the_kafka_node_does_not_fence_its_own_broker_over_a_freeze():
+    """On a starved machine the controller of the embedded node fenced its own broker
+    (9 s without a heartbeat, Kafka's default), and topic creation failed with "All brokers
+    are currently fenced": the running node must tolerate a minute."""
+    session = "broker.session.timeout.ms"
+    with EmbeddedBroker(free_port(), engine="kafka") as broker:
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap_servers,
+                                 request_timeout_ms=30_000)
+        try:
+            described = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.BROKER, "1", configs=[session])],
+                config_filter="all")
+        finally:
+            admin.close()
+    assert int(described["broker"]["1"][session]["value"]) >= 60_000
