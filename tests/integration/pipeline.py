@@ -98,19 +98,26 @@ def assert_keys_once(lake: Lake) -> None:
         assert len(rows) == len(set(rows)), f"{spec.name} holds a key twice"
 
 
+STUCK_SESSION_TIMEOUT_MS = 40_000
+
+
 def stuck_member(kafka: KafkaSettings, group_id: str) -> Any:
     """A member of `group_id` on the events topic that joined and then stops polling: the
-    broker holds the group's next rebalance for it. The caller closes it."""
-    consumer = kafka.consumer(group_id=group_id)
+    broker holds the group's next rebalance for it. The caller closes it.
+
+    Its session outlasts a starved machine's freezes (CI: 17 s, in which kafka-python's
+    10 s default let the broker drop it and the processor's join then went through)."""
+    consumer = kafka.consumer(group_id=group_id, session_timeout_ms=STUCK_SESSION_TIMEOUT_MS,
+                              heartbeat_interval_ms=STUCK_SESSION_TIMEOUT_MS // 10)
     subscribe_once_listed(consumer, kafka.topics.events, timeout_s=30)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not consumer.assignment() and time.monotonic() < deadline:
         # The join waited out in one call: kafka-python drops a join that completes between
-        # two polls, and Tansu answers one after half the session timeout (45 s here).
-        poll_in_group(consumer, 200, join_wait_ms=30_000)
+        # two polls, and Tansu answers one after half the session timeout.
+        poll_in_group(consumer, 200, join_wait_ms=STUCK_SESSION_TIMEOUT_MS)
     if not consumer.assignment():
         consumer.close()
-        raise AssertionError(f"a member of {group_id} did not join within 30 s")
+        raise AssertionError(f"a member of {group_id} did not join within 60 s")
     return consumer
 
 

@@ -269,7 +269,7 @@ def test_a_join_that_does_not_finish_is_reported_and_ends_the_processor(broker, 
     try:
         process = process_cli(kafka, str(tmp_path / "lake"), "--join-timeout-s", "0.5",
                               "--consumer-group", f"join{os.getpid()}")
-        _, stderr = process.communicate(timeout=60)
+        _, stderr = process.communicate(timeout=120)
     finally:
         stuck.close()
     assert process.returncode == 2, stderr
