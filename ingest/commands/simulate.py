@@ -25,10 +25,9 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from kafka import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, PartitionReader
 from ingest.processor.decisions import decision_header
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.config import add_config_flags, config_from_args
@@ -214,20 +213,16 @@ class _Follower:
 
     def __init__(self, settings: KafkaSettings, run_id: str):
         self.run_id = run_id
-        self.consumer = settings.consumer(group_id=None)
         topics = settings.topics
-        tps = []
-        for topic in (topics.decisions, topics.control):
-            for p in sorted(self.consumer.partitions_for_topic(topic) or {0}):
-                tps.append(TopicPartition(topic, p))
-        self.consumer.assign(tps)
-        self.consumer.seek_to_beginning(*tps)
+        # A stalled fetch would leave a run waiting for a seal it missed.
+        self.reader = PartitionReader(settings, [topics.decisions, topics.control],
+                                      what="simulation")
         self.control_topic = topics.control
         self.sealed: set[int] = set()
         self.decided: dict[int, str] = {}  # group_index -> decision
 
     def poll(self, timeout_ms: int) -> None:
-        for tp, records in self.consumer.poll(timeout_ms=timeout_ms).items():
+        for tp, records in self.reader.poll(timeout_ms=timeout_ms).items():
             for record in records:
                 if tp.topic == self.control_topic:
                     message = orjson.loads(record.value)
@@ -239,7 +234,7 @@ class _Follower:
                     self.decided[header.group_index] = header.decision
 
     def close(self) -> None:
-        self.consumer.close()
+        self.reader.close()
 
 
 def _send(pub: RolloutPublisher, cfg: SimulationConfig, events: list[dict[str, Any]]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
@@ -107,6 +107,93 @@ def poll_in_group(consumer: KafkaConsumer, timeout_ms: int, *, join_wait_ms: int
         if coordinator.ensure_active_group(timeout_ms=join_wait_ms):
             return {}
     return consumer.poll(timeout_ms=timeout_ms)
+
+
+# A `PartitionReader` found behind the end offsets this many checks in a row (at least
+# STALL_CHECK_S apart) without having read anything since the previous one is replaced.
+STALLED_CHECKS = 20
+STALL_CHECK_S = 0.5
+
+
+class PartitionReader:
+    """A consumer of every partition of `topics`, in no consumer group, that replaces
+    itself when its fetches stall.
+
+    kafka-python 3.0 can leave a fetch that never completes (seen on Apache Kafka): the
+    consumer then reads nothing more of its partitions, for ever, with no error. A reader
+    compares its positions with the end offsets (`behind`, and from `poll` at most every
+    STALL_CHECK_S); behind with nothing read for STALLED_CHECKS checks in a row, it goes on
+    from the same positions with a new consumer.
+    """
+
+    def __init__(self, kafka: KafkaSettings, topics: list[str], *, what: str,
+                 from_end: bool = False):
+        self._kafka = kafka
+        self._topics = topics
+        self._what = what  # names the reader in the log line
+        self._from_end = from_end
+        self.tps: list[TopicPartition] = []
+        self.consumer = self._open({}, from_end=from_end)
+        self._positions_checked: dict[TopicPartition, int | None] = {}
+        self._stalled_checks = 0
+        self._checked_at = time.monotonic()
+
+    def _open(self, positions: dict[TopicPartition, int | None], *, from_end: bool) -> KafkaConsumer:
+        """A consumer of every partition of the topics, at `positions` (else the start, or
+        the end with `from_end`)."""
+        consumer = self._kafka.consumer(group_id=None)
+        self.tps = [TopicPartition(topic, p) for topic in self._topics
+                    for p in sorted(consumer.partitions_for_topic(topic) or {0})]
+        consumer.assign(self.tps)
+        for tp in self.tps:
+            offset = positions.get(tp)
+            if offset is not None:
+                consumer.seek(tp, offset)
+            elif from_end:
+                consumer.seek_to_end(tp)
+                consumer.position(tp)  # resolve "end" now, not at the first poll
+            else:
+                consumer.seek_to_beginning(tp)
+        return consumer
+
+    def poll(self, timeout_ms: int, max_records: int | None = None
+             ) -> dict[TopicPartition, list[Any]]:
+        """What arrived, as `KafkaConsumer.poll`; checks for a stall when one is due (a
+        broker that does not answer the check is left to the caller's next poll)."""
+        polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        if time.monotonic() - self._checked_at >= STALL_CHECK_S:
+            try:
+                self.behind(timeout_ms=max(timeout_ms, 1000))
+            except KafkaError:
+                pass
+        return polled
+
+    def behind(self, timeout_ms: int) -> list[TopicPartition]:
+        """The partitions not read to their end offsets; replaces a stalled consumer.
+        Raises `KafkaError` when the broker does not answer."""
+        end = self.consumer.end_offsets(self.tps, timeout_ms=timeout_ms)
+        positions = {tp: fetch_position(self.consumer, tp) for tp in self.tps}
+        behind = [tp for tp in self.tps if (positions[tp] or 0) < end[tp]]
+        now = time.monotonic()
+        if now - self._checked_at < STALL_CHECK_S:
+            return behind  # too soon after the last check to count as one
+        self._checked_at = now
+        stalled = bool(behind) and positions == self._positions_checked
+        self._stalled_checks = self._stalled_checks + 1 if stalled else 0
+        self._positions_checked = positions
+        if self._stalled_checks >= STALLED_CHECKS:
+            log.warning("%s: %s stayed behind the end offsets %s with nothing read for %d "
+                        "checks; reading on with a new consumer", self._what,
+                        {f"{tp.topic}[{tp.partition}]": positions[tp] for tp in behind},
+                        {f"{tp.topic}[{tp.partition}]": end[tp] for tp in behind},
+                        self._stalled_checks)
+            self.consumer.close()
+            self.consumer = self._open(positions, from_end=self._from_end)
+            self._stalled_checks = 0
+        return behind
+
+    def close(self) -> None:
+        self.consumer.close()
 
 
 def key_partition(key: bytes, partitions: int) -> int:

@@ -8,9 +8,8 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
-from kafka import TopicPartition
 
-from ingest.io.kafka import KafkaSettings, fetch_position
+from ingest.io.kafka import KafkaSettings, PartitionReader
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.dead_letters import DeadLetters
 from ingest.processor.offsets import app_id
@@ -20,11 +19,6 @@ from schemas.tables import RUNS, utc_micros
 
 log = logging.getLogger(__name__)
 CATCH_UP_S = 10.0  # how long `catch_up` reads before it goes on with what it has
-# Checks in a row (`read_to_end`, twice a second) that find the consumer behind the
-# topic's end offsets without having read anything since the previous one, after which it
-# is replaced: kafka-python 3.0 can leave a fetch that never completes (seen on Apache
-# Kafka), and a group stage waits for its run's config until it is read.
-STALLED_CHECKS = 20
 
 
 class RunConfigs:
@@ -50,25 +44,9 @@ class RunConfigs:
         self._saved: dict[int, int | None] = {}  # partition -> recorded offset
         if lake is not None:
             self.load(lake)
-        self._kafka = kafka
-        self._tps: list[TopicPartition] = []
-        self._consumer = self._reader({})
-        self._positions_checked: dict[TopicPartition, int | None] = {}
-        self._stalled_checks = 0
-
-    def _reader(self, positions: dict[TopicPartition, int | None]) -> Any:
-        """A consumer of every partition of the topic, at `positions` (else the start)."""
-        consumer = self._kafka.consumer(group_id=None)
-        partitions = consumer.partitions_for_topic(self.topic) or {0}
-        self._tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        consumer.assign(self._tps)
-        for tp in self._tps:
-            offset = positions.get(tp)
-            if offset is None:
-                consumer.seek_to_beginning(tp)
-            else:
-                consumer.seek(tp, offset)
-        return consumer
+        # A group stage waits for its run's config until it is read: a stalled fetch
+        # must not hold it up for ever.
+        self._reader = PartitionReader(kafka, [self.topic], what="runs topic")
 
     def load(self, lake: Lake) -> None:
         """The configs of the lake's `runs` table (the latest saved one per run), for the
@@ -87,7 +65,7 @@ class RunConfigs:
         """Read whatever arrived; True when anything new was read."""
         changed = False
         while True:
-            batch = self._consumer.poll(timeout_ms=timeout_ms, max_records=1000)
+            batch = self._reader.poll(timeout_ms=timeout_ms, max_records=1000)
             if not batch:
                 self._save()
                 return changed
@@ -99,9 +77,10 @@ class RunConfigs:
 
     def catch_up(self) -> None:
         """Read up to the end offsets as of now (used at start, before any decision)."""
-        end = self._consumer.end_offsets(self._tps)
+        reader = self._reader
+        end = reader.consumer.end_offsets(reader.tps)
         deadline = time.monotonic() + CATCH_UP_S
-        while any(self._consumer.position(tp) < end[tp] for tp in self._tps):
+        while any(reader.consumer.position(tp) < end[tp] for tp in reader.tps):
             if time.monotonic() > deadline:
                 log.warning("runs topic not fully read after %.0f s", CATCH_UP_S)
                 return
@@ -109,24 +88,9 @@ class RunConfigs:
 
     def read_to_end(self, timeout_ms: int) -> bool:
         """Has every `run_started` published so far been read? A stage is not idle before:
-        its groups may be waiting for their run's config. A consumer found behind with
-        nothing read for STALLED_CHECKS checks in a row is replaced. Raises `KafkaError`
-        when the broker does not answer."""
-        end = self._consumer.end_offsets(self._tps, timeout_ms=timeout_ms)
-        positions = {tp: fetch_position(self._consumer, tp) for tp in self._tps}
-        behind = [tp for tp in self._tps if (positions[tp] or 0) < end[tp]]
-        stalled = bool(behind) and positions == self._positions_checked
-        self._stalled_checks = self._stalled_checks + 1 if stalled else 0
-        self._positions_checked = positions
-        if self._stalled_checks >= STALLED_CHECKS:
-            log.warning("runs topic: %s stayed behind the end offsets %s with nothing read "
-                        "for %d checks; reading it with a new consumer",
-                        {tp.partition: positions[tp] for tp in behind},
-                        {tp.partition: end[tp] for tp in behind}, self._stalled_checks)
-            self._consumer.close()
-            self._consumer = self._reader(positions)
-            self._stalled_checks = 0
-        return not behind
+        its groups may be waiting for their run's config. Raises `KafkaError` when the
+        broker does not answer."""
+        return not self._reader.behind(timeout_ms=timeout_ms)
 
     def _apply(self, record: Any) -> None:
         try:
@@ -173,4 +137,4 @@ class RunConfigs:
         return self.configs.get(run_id)
 
     def close(self) -> None:
-        self._consumer.close()
+        self._reader.close()

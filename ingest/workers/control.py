@@ -11,10 +11,9 @@ import threading
 from collections.abc import Callable
 
 import orjson
-from kafka import TopicPartition
 from pydantic import ValidationError
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, PartitionReader
 from schemas.control import CONTROL_MODELS, Demand, StepSealed, WeightsUpdated
 
 log = logging.getLogger(__name__)
@@ -32,14 +31,9 @@ class ControlFollower:
                  on_message: Callable[[Followed], object]):
         self.run_id = run_id
         self.on_message = on_message
-        self._consumer = settings.consumer()
-        topic = settings.topics.control
-        partitions = [TopicPartition(topic, p)
-                      for p in sorted(self._consumer.partitions_for_topic(topic) or ())]
-        self._consumer.assign(partitions)
-        self._consumer.seek_to_end(*partitions)
-        for partition in partitions:
-            self._consumer.position(partition)  # resolve "end" now, not at the first poll
+        # A stalled fetch would leave the loop deaf to seals: it would never cancel.
+        self._reader = PartitionReader(settings, [settings.topics.control], what="control "
+                                       "follower", from_end=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="control-follower",
                                         daemon=True)
@@ -51,11 +45,11 @@ class ControlFollower:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self._consumer.close()
+        self._reader.close()
 
     def _follow(self) -> None:
         while not self._stop.is_set():
-            for records in self._consumer.poll(timeout_ms=POLL_MS).values():
+            for records in self._reader.poll(timeout_ms=POLL_MS).values():
                 for record in records:
                     message = self._followed(record.value)
                     if message is not None:

@@ -20,9 +20,9 @@ from kafka.protocol.consumer.metadata import (
 )
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
+from ingest.io import kafka as kafka_module
 from ingest.io.kafka import KafkaSettings, poll_in_group
 from ingest.io.lake import Lake
-from ingest.processor import run_configs as run_configs_module
 from ingest.processor import stage as stage_module
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
@@ -179,10 +179,10 @@ def test_a_group_waiting_for_a_run_config_not_read_yet_is_not_idle(kafka, tmp_pa
     lagged counted as idle, and `--until-idle` ended with the group undecided (a CI run on
     Apache Kafka ended with an empty `groups` table). That consumer, found stalled, is
     replaced."""
-    monkeypatch.setattr(run_configs_module, "STALLED_CHECKS", 10**6)
+    monkeypatch.setattr(kafka_module, "STALLED_CHECKS", 10**6)
     stage = idle_group_stage(kafka, tmp_path, None)
     try:
-        stalled = stage.runs._consumer
+        stalled = stage.runs._reader.consumer
         stalled.poll = lambda timeout_ms, **_: {}
         publish(kafka, "unread", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
                 complete_group("unread"))
@@ -193,11 +193,11 @@ def test_a_group_waiting_for_a_run_config_not_read_yet_is_not_idle(kafka, tmp_pa
             assert not stage.idle
         assert ("unread", 0) in stage.pending  # read, and waiting for its config
 
-        monkeypatch.setattr(run_configs_module, "STALLED_CHECKS", 2)
+        monkeypatch.setattr(kafka_module, "STALLED_CHECKS", 2)
         poll_until_idle(stage)
-        assert stage.runs._consumer is not stalled
+        assert stage.runs._reader.consumer is not stalled
         assert ("unread", 0) in stage.decided
-        assert "reading it with a new consumer" in caplog.text
+        assert "runs topic: " in caplog.text and "reading on with a new consumer" in caplog.text
     finally:
         stage.close()
 

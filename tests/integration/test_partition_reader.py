@@ -1,0 +1,93 @@
+"""`PartitionReader`: a consumer in no group that replaces itself when its fetches stall.
+
+kafka-python 3.0 can leave a fetch that never completes on Apache Kafka, after which the
+consumer reads nothing more. The runs-topic reader of a stage, the worker's control
+follower and the simulation's follower all read this way: a stall left a group waiting for
+its run's config, and would leave a worker deaf to seals. The test stands in for the
+stalled fetch (a poll that returns nothing), since the library bug cannot be called up.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ingest.io import kafka as kafka_module
+from ingest.io.kafka import KafkaSettings, PartitionReader
+
+
+def _stall(reader: PartitionReader):
+    stalled = reader.consumer
+    stalled.poll = lambda timeout_ms, **_: time.sleep(timeout_ms / 1000) or {}
+    return stalled
+
+
+def _values(reader: PartitionReader, want: int, timeout_s: float = 30.0) -> list[bytes]:
+    values: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while len(values) < want and time.monotonic() < deadline:
+        for records in reader.poll(timeout_ms=50).values():
+            values.extend(r.value for r in records)
+    return values
+
+
+def _send(kafka: KafkaSettings, topic: str, values: list[bytes]) -> None:
+    producer = kafka.producer()
+    for value in values:
+        producer.send(topic, value=value)
+    producer.flush()
+    producer.close()
+
+
+@pytest.fixture
+def quick_checks(monkeypatch):
+    monkeypatch.setattr(kafka_module, "STALL_CHECK_S", 0.05)
+    monkeypatch.setattr(kafka_module, "STALLED_CHECKS", 4)
+
+
+def test_a_stalled_reader_goes_on_from_its_positions_with_a_new_consumer(kafka, quick_checks,
+                                                                          caplog):
+    topic = kafka.topics.control
+    _send(kafka, topic, [b"a", b"b"])
+    reader = PartitionReader(kafka, [topic], what="test reader")
+    try:
+        assert _values(reader, 2) == [b"a", b"b"]
+        stalled = _stall(reader)
+        _send(kafka, topic, [b"c", b"d"])
+        # Each record once, from where the stalled consumer was: none lost, none twice.
+        assert _values(reader, 2) == [b"c", b"d"]
+        assert reader.consumer is not stalled
+        assert "test reader: " in caplog.text and "with a new consumer" in caplog.text
+    finally:
+        reader.close()
+
+
+def test_a_reader_from_the_end_stays_there_across_a_replacement(kafka, quick_checks):
+    topic = kafka.topics.control
+    _send(kafka, topic, [b"old"])
+    reader = PartitionReader(kafka, [topic], what="test reader", from_end=True)
+    try:
+        stalled = _stall(reader)
+        _send(kafka, topic, [b"new"])
+        assert _values(reader, 1) == [b"new"]
+        assert reader.consumer is not stalled
+    finally:
+        reader.close()
+
+
+def test_a_reader_read_to_the_end_is_not_replaced(kafka, quick_checks):
+    """Nothing to read is not a stall: the consumer stays."""
+    topic = kafka.topics.control
+    _send(kafka, topic, [b"a"])
+    reader = PartitionReader(kafka, [topic], what="test reader")
+    try:
+        assert _values(reader, 1) == [b"a"]
+        consumer = reader.consumer
+        until = time.monotonic() + 1.0  # 20 checks
+        while time.monotonic() < until:
+            reader.poll(timeout_ms=50)
+        assert reader.behind(timeout_ms=5000) == []
+        assert reader.consumer is consumer
+    finally:
+        reader.close()
