@@ -12,10 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import cast
 
-from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, PartitionReader
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
 
@@ -42,8 +41,7 @@ class RunRegistry:
         self.kafka = kafka
         self._lock = threading.Lock()
         self._runs: dict[str, RunInfo] = {}
-        self._consumer = None
-        self._parts: list[TopicPartition] = []
+        self._reader: PartitionReader | None = None
 
     def all(self) -> list[RunInfo]:
         self.refresh()
@@ -57,10 +55,12 @@ class RunRegistry:
         """Read the runs topic up to its current end; BrokerUnavailableError if down."""
         with self._lock:
             try:
-                consumer = self._connect()
-                end = consumer.end_offsets(self._parts)
-                while any(consumer.position(tp) < end[tp] for tp in self._parts):
-                    for records in consumer.poll(POLL_MS).values():
+                reader = self._connect()
+                end = reader.consumer.end_offsets(reader.tps)
+                # A stalled fetch is replaced by the reader (it would hold every request
+                # that looks a run up, for ever).
+                while any(reader.consumer.position(tp) < end[tp] for tp in reader.tps):
+                    for records in reader.poll(POLL_MS).values():
                         for record in records:
                             self._apply(record.value)
             except KafkaError as err:
@@ -73,21 +73,16 @@ class RunRegistry:
         with self._lock:
             self._reset()
 
-    def _connect(self):
-        if self._consumer is None:
-            consumer = self.kafka.consumer()
-            topic = self.kafka.topics.runs
-            partitions = consumer.partitions_for_topic(topic) or {0}
-            self._parts = [TopicPartition(topic, p) for p in sorted(partitions)]
-            consumer.assign(self._parts)
-            consumer.seek_to_beginning(*self._parts)
-            self._consumer = consumer
-        return self._consumer
+    def _connect(self) -> PartitionReader:
+        if self._reader is None:
+            self._reader = PartitionReader(self.kafka, [self.kafka.topics.runs],
+                                           what="gateway runs reader")
+        return self._reader
 
     def _reset(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-        self._consumer = None
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = None
 
     def _apply(self, raw: bytes) -> None:
         try:

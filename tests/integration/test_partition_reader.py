@@ -13,8 +13,10 @@ import time
 
 import pytest
 
+from gateway.runs import RunRegistry
 from ingest.io import kafka as kafka_module
 from ingest.io.kafka import KafkaSettings, PartitionReader
+from ingest.sdk.publisher import RolloutPublisher
 
 
 def _stall(reader: PartitionReader):
@@ -91,3 +93,18 @@ def test_a_reader_read_to_the_end_is_not_replaced(kafka, quick_checks):
         assert reader.consumer is consumer
     finally:
         reader.close()
+
+
+def test_the_gateway_finds_a_new_run_past_a_stalled_fetch(kafka, quick_checks):
+    """The gateway's run registry reads the runs topic to its end on every lookup: a
+    stalled fetch held every request that looks a run up, for ever."""
+    registry = RunRegistry(kafka)
+    try:
+        assert registry.get("late") is None
+        stalled = _stall(registry._connect())
+        with RolloutPublisher(kafka) as publisher:
+            publisher.run_started("late", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
+        assert registry.get("late") is not None
+        assert registry._connect().consumer is not stalled
+    finally:
+        registry.close()
