@@ -25,13 +25,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from kafka import TopicPartition
 from pipeline import _spawn, _warm_up, commits, stream
 from scratch import scratch_folder
 
 from ingest.commands.simulate import SimulationConfig
 from ingest.io.broker import EmbeddedBroker, free_port
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import decision_header
@@ -55,19 +54,11 @@ def first_commit_of_each_group(table: Path) -> dict[int, float]:
 
 def decision_times(kafka: KafkaSettings) -> dict[int, float]:
     """When the group stage sent each group's decision: the record's CreateTime, in s."""
-    consumer = kafka.consumer(group_id=None)
-    partition = TopicPartition(kafka.topics.decisions, 0)
-    consumer.assign([partition])
-    consumer.seek_to_beginning(partition)
-    end = consumer.end_offsets([partition])[partition]
     sent: dict[int, float] = {}
-    while consumer.position(partition) < end:
-        for records in consumer.poll(timeout_ms=1000).values():
-            for record in records:
-                header = decision_header(record)
-                if header is not None and header.run_id == RUN:
-                    sent.setdefault(header.group_index, record.timestamp / 1000)
-    consumer.close()
+    for record in read_topics(kafka, [kafka.topics.decisions], what="bench", timeout_s=120):
+        header = decision_header(record)
+        if header is not None and header.run_id == RUN:
+            sent.setdefault(header.group_index, record.timestamp / 1000)
     return sent
 
 

@@ -19,7 +19,8 @@ from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
 
 _RUN_STARTED = frozenset({"run_started"})
-POLL_MS = 200
+# A request that looks a run up waits at most this long for the runs topic.
+READ_LIMIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,14 @@ class RunRegistry:
         """Read the runs topic up to its current end; BrokerUnavailableError if down."""
         with self._lock:
             try:
-                reader = self._connect()
-                end = reader.consumer.end_offsets(reader.tps)
-                # A stalled fetch is replaced by the reader (it would hold every request
-                # that looks a run up, for ever).
-                while any(reader.consumer.position(tp) < end[tp] for tp in reader.tps):
-                    for records in reader.poll(POLL_MS).values():
-                        for record in records:
-                            self._apply(record.value)
-            except KafkaError as err:
+                for record in self._connect().read_to_end(timeout_s=READ_LIMIT_S):
+                    self._apply(record.value)
+            except (KafkaError, TimeoutError) as err:
                 self._reset()
+                why = (f"not read to the end within {READ_LIMIT_S:.0f} s"
+                       if isinstance(err, TimeoutError) else type(err).__name__)
                 raise BrokerUnavailableError(
-                    f"could not read {self.kafka.topics.runs}: {type(err).__name__}"
-                ) from None
+                    f"could not read {self.kafka.topics.runs}: {why}") from None
 
     def close(self) -> None:
         with self._lock:

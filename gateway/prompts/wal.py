@@ -3,19 +3,16 @@ run on the events topic, read back to roll a checkpoint forward after a restart.
 
 from __future__ import annotations
 
-import time
-
 from kafka import TopicPartition
 from kafka.errors import KafkaError
 
 from gateway.prompts.cursor import LoggedRows
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, PartitionReader
 from schemas.errors import BrokerUnavailableError, EventValidationError, UnavailableError
 from schemas.events import GroupStarted, decode_event
 
-# Poll timeout, and the quiet poll that confirms the end (Tansu under-reports end offsets
-# of multi-record batches, so end_offsets alone stops early).
-WAL_POLL_MS = 200
+# The quiet poll that confirms the end (Tansu under-reports end offsets of multi-record
+# batches, so end_offsets alone stops early).
 WAL_QUIET_MS = 500
 WAL_READ_LIMIT_S = 300.0
 _GROUP_STARTED = frozenset({"group_started"})
@@ -29,52 +26,39 @@ def read_group_log(kafka: KafkaSettings, topic: str, run_id: str, start: dict[in
     prefix = f"{run_id}:".encode()
     logged: dict[int, set[tuple[str, int | None, int]]] = {}
     seen: dict[int, int] = {}
-    consumer = kafka.consumer()
+    reader: PartitionReader | None = None
     try:
-        parts = [TopicPartition(topic, p)
-                 for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-        consumer.assign(parts)
-        first = consumer.beginning_offsets(parts)
-        for tp in parts:
+        reader = PartitionReader(kafka, [topic], what="prompt cursor log", start={
+            TopicPartition(topic, partition): offset for partition, offset in start.items()})
+        first = reader.consumer.beginning_offsets(reader.tps)
+        for tp in reader.tps:
             at = start.get(tp.partition, 0)
             if first[tp] > at:
                 raise UnavailableError(f"cannot restore the prompt cursor of run {run_id!r}: "
                                        f"{topic} partition {tp.partition} no longer holds "
                                        f"offset {at} (retention?)")
-            consumer.seek(tp, at)
-        end = consumer.end_offsets(parts)
-        deadline = time.monotonic() + WAL_READ_LIMIT_S
-        while time.monotonic() < deadline:
-            polled = consumer.poll(WAL_POLL_MS)
-            if not polled:
-                if any(consumer.position(tp) < end[tp] for tp in parts):
-                    continue
-                polled = consumer.poll(WAL_QUIET_MS)  # past the reported end: until quiet
-                if not polled:
-                    break
-            for tp, records in polled.items():
-                for record in records:
-                    if not (record.key or b"").startswith(prefix) or \
-                            b"group_started" not in record.value:
-                        continue
-                    try:
-                        event = decode_event(record.value, allowed=_GROUP_STARTED)
-                    except EventValidationError:
-                        continue
-                    assert isinstance(event, GroupStarted)
-                    if event.run_id != run_id or event.prompt_ref is None:
-                        continue
-                    ref = event.prompt_ref
-                    logged.setdefault(event.group_index, set()).add(
-                        (ref.dataset, getattr(ref, "version", None), ref.row))
-                    seen[tp.partition] = max(seen.get(tp.partition, 0), record.offset + 1)
-        else:
-            raise UnavailableError(f"reading {topic} to restore run {run_id!r} took over "
-                                   f"{WAL_READ_LIMIT_S:.0f} s")
+        for record in reader.read_to_end(timeout_s=WAL_READ_LIMIT_S, quiet_ms=WAL_QUIET_MS):
+            if not (record.key or b"").startswith(prefix) or b"group_started" not in record.value:
+                continue
+            try:
+                event = decode_event(record.value, allowed=_GROUP_STARTED)
+            except EventValidationError:
+                continue
+            assert isinstance(event, GroupStarted)
+            if event.run_id != run_id or event.prompt_ref is None:
+                continue
+            ref = event.prompt_ref
+            logged.setdefault(event.group_index, set()).add(
+                (ref.dataset, getattr(ref, "version", None), ref.row))
+            seen[record.partition] = max(seen.get(record.partition, 0), record.offset + 1)
+    except TimeoutError:
+        raise UnavailableError(f"reading {topic} to restore run {run_id!r} took over "
+                               f"{WAL_READ_LIMIT_S:.0f} s") from None
     except KafkaError as err:
         raise BrokerUnavailableError(
             f"could not read {topic} to restore the prompt cursor: {type(err).__name__}"
         ) from None
     finally:
-        consumer.close()
+        if reader is not None:
+            reader.close()
     return logged, seen

@@ -127,13 +127,13 @@ class PartitionReader:
     """
 
     def __init__(self, kafka: KafkaSettings, topics: list[str], *, what: str,
-                 from_end: bool = False):
+                 from_end: bool = False, start: Mapping[TopicPartition, int] | None = None):
         self._kafka = kafka
         self._topics = topics
         self._what = what  # names the reader in the log line
         self._from_end = from_end
         self.tps: list[TopicPartition] = []
-        self.consumer = self._open({}, from_end=from_end)
+        self.consumer = self._open(dict(start or {}), from_end=from_end)
         self._positions_checked: dict[TopicPartition, int | None] = {}
         self._stalled_checks = 0
         self._checked_at = time.monotonic()
@@ -192,8 +192,44 @@ class PartitionReader:
             self._stalled_checks = 0
         return behind
 
+    def read_to_end(self, *, timeout_s: float, quiet_ms: int = 0, poll_ms: int = 200
+                    ) -> Iterator[Any]:
+        """Every record from the current positions up to the end offsets as of the call,
+        then, with `quiet_ms`, on until a poll that long brings nothing (Tansu
+        under-reports the end offset of a multi-record batch). Raises `TimeoutError` when
+        that takes over `timeout_s` (a stalled fetch is replaced meanwhile) and
+        `KafkaError` when the broker does not answer."""
+        deadline = time.monotonic() + timeout_s
+        end = self.consumer.end_offsets(self.tps, timeout_ms=max(1000, int(timeout_s * 1000)))
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._what}: could not read {', '.join(self._topics)} to "
+                                   f"the end within {timeout_s:.0f} s")
+            polled = self.poll(poll_ms)
+            if not polled and not any((fetch_position(self.consumer, tp) or 0) < end[tp]
+                                      for tp in self.tps):
+                if not quiet_ms:
+                    return
+                polled = self.poll(quiet_ms)
+                if not polled:
+                    return
+            for records in polled.values():
+                yield from records
+
     def close(self) -> None:
         self.consumer.close()
+
+
+def read_topics(kafka: KafkaSettings, topics: list[str], *, what: str, timeout_s: float,
+                quiet_ms: int = 0) -> list[Any]:
+    """Every record of `topics` from the beginning to the end (`PartitionReader.read_to_end`),
+    by partition and offset."""
+    reader = PartitionReader(kafka, topics, what=what)
+    try:
+        records = list(reader.read_to_end(timeout_s=timeout_s, quiet_ms=quiet_ms))
+    finally:
+        reader.close()
+    return sorted(records, key=lambda r: (r.topic, r.partition, r.offset))
 
 
 def key_partition(key: bytes, partitions: int) -> int:

@@ -77,14 +77,12 @@ class RunConfigs:
 
     def catch_up(self) -> None:
         """Read up to the end offsets as of now (used at start, before any decision)."""
-        reader = self._reader
-        end = reader.consumer.end_offsets(reader.tps)
-        deadline = time.monotonic() + CATCH_UP_S
-        while any(reader.consumer.position(tp) < end[tp] for tp in reader.tps):
-            if time.monotonic() > deadline:
-                log.warning("runs topic not fully read after %.0f s", CATCH_UP_S)
-                return
-            self.refresh(timeout_ms=200)
+        try:
+            for record in self._reader.read_to_end(timeout_s=CATCH_UP_S):
+                self._apply(record)
+        except TimeoutError as err:
+            log.warning("%s", err)
+        self._save()
 
     def read_to_end(self, timeout_ms: int) -> bool:
         """Has every `run_started` published so far been read? A stage is not idle before:

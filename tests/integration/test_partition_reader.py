@@ -13,10 +13,12 @@ import time
 
 import pytest
 
+from gateway.prompts import wal
 from gateway.runs import RunRegistry
 from ingest.io import kafka as kafka_module
 from ingest.io.kafka import KafkaSettings, PartitionReader
 from ingest.sdk.publisher import RolloutPublisher
+from schemas.errors import UnavailableError
 
 
 def _stall(reader: PartitionReader):
@@ -34,10 +36,11 @@ def _values(reader: PartitionReader, want: int, timeout_s: float = 30.0) -> list
     return values
 
 
-def _send(kafka: KafkaSettings, topic: str, values: list[bytes]) -> None:
+def _send(kafka: KafkaSettings, topic: str, values: list[bytes], partition: int | None = None
+          ) -> None:
     producer = kafka.producer()
     for value in values:
-        producer.send(topic, value=value)
+        producer.send(topic, value=value, partition=partition)
     producer.flush()
     producer.close()
 
@@ -108,3 +111,49 @@ def test_the_gateway_finds_a_new_run_past_a_stalled_fetch(kafka, quick_checks):
         assert registry._connect().consumer is not stalled
     finally:
         registry.close()
+
+
+def test_reading_to_the_end_past_a_stalled_fetch_gets_every_partition_once(kafka, quick_checks):
+    topic = kafka.topics.events  # several partitions
+    assert kafka.event_partitions > 1
+    sent = {p: [f"{p}-{i}".encode() for i in range(3)] for p in range(kafka.event_partitions)}
+    for partition, values in sent.items():
+        _send(kafka, topic, values[:1], partition)
+    reader = PartitionReader(kafka, [topic], what="test reader")
+    try:
+        first = list(reader.read_to_end(timeout_s=60))
+        stalled = _stall(reader)
+        for partition, values in sent.items():
+            _send(kafka, topic, values[1:], partition)
+        rest = list(reader.read_to_end(timeout_s=60))
+        assert reader.consumer is not stalled
+    finally:
+        reader.close()
+    got = {p: [r.value for r in first + rest if r.partition == p] for p in sent}
+    assert got == sent
+
+
+def test_reading_to_the_end_gives_up_with_an_error_naming_the_reader(kafka, quick_checks,
+                                                                     monkeypatch):
+    """A fetch that stays stalled (no replacement here) ends in a clear error, not a wait
+    for ever."""
+    monkeypatch.setattr(kafka_module, "STALLED_CHECKS", 10**9)
+    topic = kafka.topics.control
+    _send(kafka, topic, [b"a"])
+    reader = PartitionReader(kafka, [topic], what="test reader")
+    try:
+        _stall(reader)
+        with pytest.raises(TimeoutError, match=f"test reader: could not read {topic} to the end "
+                                               "within 2 s"):
+            list(reader.read_to_end(timeout_s=2))
+    finally:
+        reader.close()
+
+
+def test_a_prompt_cursor_log_that_cannot_be_read_in_time_is_unavailable(kafka, monkeypatch):
+    monkeypatch.setattr(wal, "WAL_READ_LIMIT_S", 0.0)
+    with RolloutPublisher(kafka) as publisher:
+        publisher.group_started("slow", group_index=0, step=0, n_samples=1, prompt="p")
+    with pytest.raises(UnavailableError, match=f"reading {kafka.topics.events} to restore run "
+                                               "'slow' took over 0 s"):
+        wal.read_group_log(kafka, kafka.topics.events, "slow", {})
