@@ -11,16 +11,14 @@ and spawn timeline and the instances' log lines about take-overs, restarts and w
 from __future__ import annotations
 
 import pickle
-import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pyarrow.compute as pc
-from kafka import TopicPartition
 
 from ingest.core.ordering import Bound, watermark_bound
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import Lake
 from ingest.processor.decisions import decision_header, opened_notice, watermark_notice
 from ingest.processor.offsets import app_id
@@ -45,19 +43,8 @@ def differing_groups(got: Lake, ref: Lake, run_id: str) -> list[int]:
 
 
 def _decisions_records(kafka: KafkaSettings) -> list[Any]:
-    consumer = kafka.consumer(group_id=None)
-    topic = kafka.topics.decisions
-    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-    consumer.assign(tps)
-    consumer.seek_to_beginning(*tps)
-    records: list[Any] = []
-    quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < 2.0:
-        for batch in consumer.poll(timeout_ms=200).values():
-            records.extend(batch)
-            quiet_since = time.monotonic()
-    consumer.close()
-    return sorted(records, key=lambda r: (r.partition, r.offset))
+    return read_topics(kafka, [kafka.topics.decisions], what="chaos report", timeout_s=120,
+                       quiet_ms=2000)
 
 
 def _release_offsets(records: list[Any], event_partitions: int

@@ -21,10 +21,9 @@ import uuid
 
 import pyarrow.compute as pc
 import pytest
-from kafka import TopicPartition
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import Lake
 from ingest.processor.stage import SESSION_TIMEOUTS_MS
 from schemas.tables import TABLES
@@ -87,26 +86,16 @@ def _kill(process: subprocess.Popen) -> None:
 def _copy_topics(source: KafkaSettings, target: KafkaSettings) -> int:
     """Every record of the runs and events topics, into the same partitions with the
     same timestamps: the reference run reads exactly the events the chaos run read."""
-    consumer = source.consumer(group_id=None)
     producer = target.producer()
     copied = 0
     for src, dst in ((source.topics.runs, target.topics.runs),
                      (source.topics.events, target.topics.events)):
-        tps = [TopicPartition(src, p) for p in sorted(consumer.partitions_for_topic(src))]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < 2.0:
-            polled = consumer.poll(timeout_ms=200)
-            for tp, records in sorted(polled.items(), key=lambda kv: kv[0].partition):
-                for r in records:
-                    producer.send(dst, partition=tp.partition, key=r.key, value=r.value,
-                                  timestamp_ms=r.timestamp)
-                    copied += 1
-                quiet_since = time.monotonic()
+        for r in read_topics(source, [src], what="test", timeout_s=120, quiet_ms=2000):
+            producer.send(dst, partition=r.partition, key=r.key, value=r.value,
+                          timestamp_ms=r.timestamp)
+            copied += 1
     producer.flush()
     producer.close()
-    consumer.close()
     return copied
 
 

@@ -13,10 +13,9 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from kafka import TopicPartition
 
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import Lake, TxnMark
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
@@ -424,23 +423,9 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
 
 def _decided_groups(kafka: KafkaSettings) -> list[int]:
     """Group indexes of the decisions on the decisions topic, in topic order."""
-    consumer = kafka.consumer(group_id=None)
-    try:
-        tp = TopicPartition(kafka.topics.decisions, 0)
-        consumer.assign([tp])
-        end = consumer.end_offsets([tp])[tp]
-        consumer.seek_to_beginning(tp)
-        found: list[int] = []
-        deadline = time.monotonic() + 30
-        while consumer.position(tp) < end:
-            assert time.monotonic() < deadline, "the decisions topic could not be read"
-            for record in consumer.poll(timeout_ms=200).get(tp, []):
-                header = decision_header(record)
-                if header is not None:
-                    found.append(header.group_index)
-        return found
-    finally:
-        consumer.close()
+    records = read_topics(kafka, [kafka.topics.decisions], what="test", timeout_s=60)
+    return [header.group_index for header in map(decision_header, records)
+            if header is not None]
 
 
 def _archived_events(lake: Lake) -> list[tuple[int, str, int]]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pyarrow.compute as pc
-from kafka import TopicPartition
 
+from ingest.io.kafka import read_topics
 from ingest.io.lake import Lake
 from ingest.processor.decisions import decision_header
 from ingest.sdk.publisher import RolloutPublisher
@@ -36,12 +36,7 @@ def test_eight_mib_sample_reaches_a_sealed_batch(broker, tmp_path):
     assert steps[0]["content_sha256"] == content_sha256(rows)
     assert lake.read("dead_letters").num_rows == 0
     # The decision was too large to carry the fragments inline: they came from the archive.
-    consumer = kafka.consumer(group_id=None)
-    tp = TopicPartition(kafka.topics.decisions, 0)
-    consumer.assign([tp])
-    consumer.seek_to_beginning(tp)
-    headers = [decision_header(r) for batch in consumer.poll(timeout_ms=5000).values()
-               for r in batch]
-    consumer.close()
+    headers = [decision_header(r) for r in read_topics(kafka, [kafka.topics.decisions],
+                                                       what="test", timeout_s=60)]
     decided = [h for h in headers if h is not None]
     assert [h.fragments_in_archive for h in decided] == [True]

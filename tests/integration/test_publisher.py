@@ -8,23 +8,7 @@ import pytest
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import EventTooLargeError, EventValidationError
 from schemas.events import decode_event
-
-
-def _consume_all(kafka, topic):
-    consumer = kafka.consumer()
-    from kafka import TopicPartition
-
-    parts = consumer.partitions_for_topic(topic) or {0}
-    tps = [TopicPartition(topic, p) for p in parts]
-    consumer.assign(tps)
-    consumer.seek_to_beginning()
-    end = consumer.end_offsets(tps)
-    out = []
-    while any(consumer.position(tp) < end[tp] for tp in tps):
-        for records in consumer.poll(1000).values():
-            out.extend(records)
-    consumer.close()
-    return out
+from tests.support.gateway_support import consume_all
 
 
 def test_events_are_keyed_by_group_and_roundtrip(kafka):
@@ -34,14 +18,14 @@ def test_events_are_keyed_by_group_and_roundtrip(kafka):
         pub.sample_finished("run-a", group_index=7, rollout_id=0, status="completed",
                             prompt_tokens=[1, 2], response_tokens=[3], reward=0)
         pub.reward("run-a", group_index=7, rollout_id=1, reward=None)
-    events = _consume_all(kafka, kafka.topics.events)
+    events = consume_all(kafka, kafka.topics.events)
     assert {r.key for r in events} == {b"run-a:7"}
     assert len({r.partition for r in events}) == 1
     decoded = [decode_event(r.value) for r in events]
     assert [e.type for e in decoded] == ["group_started", "sample_finished", "reward"]
     assert decoded[1].reward == 0 and isinstance(decoded[1].reward, int)
     assert decoded[2].reward is None
-    runs = _consume_all(kafka, kafka.topics.runs)
+    runs = consume_all(kafka, kafka.topics.runs)
     assert runs[0].key == b"run-a"
     assert orjson.loads(runs[0].value)["config"]["rollout_batch_size"] == 1
 
@@ -54,7 +38,7 @@ def test_invalid_event_is_refused_before_sending(kafka):
         with pytest.raises(EventValidationError, match="status"):
             pub.sample_finished("run-b", group_index=0, rollout_id=0, status="done",
                                 prompt_tokens=[1], response_tokens=[1])
-    assert _consume_all(kafka, kafka.topics.events) == []
+    assert consume_all(kafka, kafka.topics.events) == []
 
 
 def test_eight_mib_event_passes_and_larger_is_refused(kafka):
@@ -66,7 +50,7 @@ def test_eight_mib_event_passes_and_larger_is_refused(kafka):
         with pytest.raises(EventTooLargeError, match="limit is 8388608 bytes"):
             pub.sample_finished("run-c", group_index=1, rollout_id=0, status="truncated",
                                 prompt_tokens=[1], response_tokens=[100000] * (tokens + 20_000))
-    records = _consume_all(kafka, kafka.topics.events)
+    records = consume_all(kafka, kafka.topics.events)
     assert len(records) == 1
     assert 8_000_000 < len(records[0].value) <= 8 * 1024 * 1024
     assert decode_event(records[0].value).event_id == event.event_id

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ingest.io.broker import free_port
+from ingest.io.kafka import read_topics
 from schemas.events import parse_event
 from tests.support.engine_under_test import engine_flags, engine_under_test
 
@@ -72,10 +73,7 @@ def worker_command(engine: RunningEngine, kafka, run_id: str, dataset: Path, rew
 
 def published(kafka, run_id: str, idle_s: float = 3.0) -> list:
     """Every event of the run on `rollout.events`, read back from the broker."""
-    consumer = kafka.consumer(consumer_timeout_ms=int(idle_s * 1000))
-    consumer.subscribe([kafka.topics.events])
-    try:
-        events = [parse_event(json.loads(record.value)) for record in consumer]
-    finally:
-        consumer.close()
+    events = [parse_event(json.loads(record.value))
+              for record in read_topics(kafka, [kafka.topics.events], what="test",
+                                        timeout_s=120, quiet_ms=int(idle_s * 1000))]
     return [e for e in events if e.run_id == run_id]

@@ -23,7 +23,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig, hash_token, load_config
 from ingest.io.broker import free_port
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 
 # token -> (name, scopes, runs)
 TOKENS: dict[str, tuple[str, list[str], list[str] | None]] = {
@@ -157,19 +157,7 @@ def sample_events(run_id: str, group_index: int, n: int = 2, tokens: int = 64,
 
 def consume_all(kafka: KafkaSettings, topic: str) -> list[Any]:
     """Every record of `topic`, from the beginning to its current end."""
-    from kafka import TopicPartition
-
-    consumer = kafka.consumer()
-    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or {0})]
-    consumer.assign(parts)
-    consumer.seek_to_beginning(*parts)
-    end = consumer.end_offsets(parts)
-    out: list[Any] = []
-    while any(consumer.position(tp) < end[tp] for tp in parts):
-        for records in consumer.poll(500).values():
-            out.extend(records)
-    consumer.close()
-    return out
+    return read_topics(kafka, [topic], what="test", timeout_s=60)
 
 
 def unique_run() -> str:
