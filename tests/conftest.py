@@ -3,7 +3,8 @@
 Every test that uses `broker` or `kafka` runs once on Tansu and once on Apache Kafka (its
 id carries `tansu` or `kafka`); a broker that does not start fails those tests. A module
 marked `one_broker` tests something else through the broker (the inference engine, Spark,
-an object store) and runs on the default engine only, to keep the suite's time.
+an object store) and runs on the default engine only, to keep the suite's time; one marked
+`one_broker(..., engine="kafka")` tests a behaviour only that engine has.
 `ROLLOUTLAKE_TEST_BROKERS=tansu` (a comma list) narrows a local run to some engines.
 """
 
@@ -17,7 +18,7 @@ import pytest
 
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
-from tests.support.suite_kafka import suite_kafka
+from tests.support.suite_kafka import SUITE_BROKER_START_S, suite_kafka
 
 
 def pytest_configure(config):
@@ -25,15 +26,17 @@ def pytest_configure(config):
     # INFO lines (every connection opened and closed) would push those out of view.
     logging.getLogger("kafka").setLevel(logging.WARNING)
     config.addinivalue_line(
-        "markers", "one_broker(reason): runs on the default broker engine only")
+        "markers", "one_broker(reason, engine=default): runs on one broker engine only")
 
 
 def pytest_collection_modifyitems(config, items):
     kept, dropped = [], []
     for item in items:
+        marker = item.get_closest_marker("one_broker")
+        engine = ENGINES[0] if marker is None else marker.kwargs.get("engine", ENGINES[0])
         on_other_engine = getattr(item, "callspec", None) is not None and \
-            item.callspec.params.get("broker", ENGINES[0]) != ENGINES[0]
-        (dropped if on_other_engine and item.get_closest_marker("one_broker") else kept).append(item)
+            item.callspec.params.get("broker", engine) != engine
+        (dropped if on_other_engine and marker is not None else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -53,7 +56,7 @@ def _engines_under_test() -> list[str]:
 @pytest.fixture(scope="session", params=_engines_under_test())
 def broker(request):
     """A real broker of each engine on a free loopback port; failing to start fails the test."""
-    with EmbeddedBroker(free_port(), engine=request.param) as running:
+    with EmbeddedBroker(free_port(), engine=request.param).start(SUITE_BROKER_START_S) as running:
         yield running
 
 

@@ -16,6 +16,7 @@ import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 START_TIMEOUT_S = 90.0
 
@@ -94,7 +95,7 @@ def test_kill_9_of_the_wrapper_takes_the_broker_with_it(engine):
         for child in children:
             if _running(child):
                 os.kill(child, signal.SIGKILL)
-    with EmbeddedBroker(free_port(), engine=engine):
+    with EmbeddedBroker(free_port(), engine=engine).start(SUITE_BROKER_START_S):
         assert not any(path.exists() for path in left_behind)
 
 
@@ -199,7 +200,7 @@ def test_the_kafka_node_does_not_fence_its_own_broker_over_a_freeze():
     (9 s without a heartbeat, Kafka's default), and topic creation failed with "All brokers
     are currently fenced": the running node must tolerate a minute."""
     session = "broker.session.timeout.ms"
-    with EmbeddedBroker(free_port(), engine="kafka") as broker:
+    with EmbeddedBroker(free_port(), engine="kafka").start(SUITE_BROKER_START_S) as broker:
         admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap_servers,
                                  request_timeout_ms=30_000)
         try:

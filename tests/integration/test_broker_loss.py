@@ -27,6 +27,7 @@ from tests.integration.pipeline import (
     stuck_member,
 )
 from tests.support.freezes import frozen_seconds
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 
@@ -61,7 +62,7 @@ def only_line(stderr: str) -> list[str]:
 @pytest.fixture
 def own_broker():
     """A broker of this test's own, to restart or kill."""
-    broker = EmbeddedBroker(free_port()).start()
+    broker = EmbeddedBroker(free_port()).start(SUITE_BROKER_START_S)
     yield broker
     broker.stop()
 
@@ -76,7 +77,7 @@ def test_a_broker_restarted_with_new_data_is_refused_not_skipped(own_broker, tmp
     # The memory broker restarts on the same port: the topics come back empty, and new
     # events fill them past the offsets the lake recorded.
     own_broker.stop()
-    own_broker.start()
+    own_broker.start(SUITE_BROKER_START_S)
     kafka = ordered_kafka(own_broker.bootstrap_servers, "p.")
     publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
 
@@ -129,7 +130,7 @@ def _refusal_once_the_topic_is_replaced(kafka: KafkaSettings, lake: str,
 def test_a_broker_restarted_under_a_running_processor_is_refused(own_broker, tmp_path):
     def restart() -> KafkaSettings:
         own_broker.stop()
-        own_broker.start()
+        own_broker.start(SUITE_BROKER_START_S)
         return ordered_kafka(own_broker.bootstrap_servers, "live.")
 
     kafka = ordered_kafka(own_broker.bootstrap_servers, "live.")

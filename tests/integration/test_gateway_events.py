@@ -18,6 +18,7 @@ from tests.support.gateway_support import (
     gateway_config,
     sample_events,
 )
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 
 @pytest.fixture
@@ -139,7 +140,7 @@ def test_auth_401_and_403(gw):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_broker_down_is_503_with_retry_after_and_retry_is_safe(engine, lake_root, tmp_path):
     port = free_port()
-    broker = EmbeddedBroker(port, engine=engine).start()
+    broker = EmbeddedBroker(port, engine=engine).start(SUITE_BROKER_START_S)
     kafka = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, request_timeout_ms=2000)
     config = gateway_config(kafka, lake_root, tmp_path / "state", publish_timeout_s=2,
                             retry_after_s=3)
@@ -152,7 +153,7 @@ def test_broker_down_is_503_with_retry_after_and_retry_is_safe(engine, lake_root
             assert down.status_code == 503
             assert down.headers["Retry-After"] == "3"
             assert client.get("/healthz").json()["kafka"] == "unavailable"
-            broker = EmbeddedBroker(port, engine=engine).start()
+            broker = EmbeddedBroker(port, engine=engine).start(SUITE_BROKER_START_S)
             for _ in range(60):
                 retry = client.post("/v1/events", json=events)
                 if retry.status_code != 503:

@@ -21,6 +21,7 @@ import pytest
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from tests.integration.pipeline import event, publish, rows, sample
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
 PLAIN_USER, PLAIN_PASSWORD = "gateway", f"plain-{uuid.uuid4().hex}"
@@ -85,7 +86,7 @@ def secured(tmp_path_factory) -> SecuredKafka:
                                 "ssl.keystore.type": "PEM",
                                 "ssl.keystore.location": str(keystore),
                             })
-    with broker:
+    with broker.start(SUITE_BROKER_START_S):
         created = broker.kafka_tool(
             "org.apache.kafka.tools.ConfigCommand", "--bootstrap-server",
             broker.bootstrap_servers, "--alter", "--entity-type", "users", "--entity-name",

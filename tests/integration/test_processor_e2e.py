@@ -19,6 +19,7 @@ from tests.integration.pipeline import (
     run_processor,
     sample,
 )
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 DAPO = {"n_samples_per_prompt": 2, "rollout_batch_size": 2,
         "dynamic_sampling_filter_path": "ingest.core.filters.reward_nonzero_std"}
@@ -204,7 +205,7 @@ def test_a_recreated_topic_is_refused_not_skipped(broker, tmp_path):
     first = ordered_kafka(broker.bootstrap_servers, "recreated.")
     publish(first, "r", DAPO, [started("r", 0), sample("r", 0, 0, 1.0), sample("r", 0, 1, 0.0)])
     run_processor(first, str(tmp_path), idle_s=1.0)
-    with EmbeddedBroker(free_port(), engine=broker.engine) as restarted:
+    with EmbeddedBroker(free_port(), engine=broker.engine).start(SUITE_BROKER_START_S) as restarted:
         with pytest.raises(RolloutlakeError, match="the topic was recreated"):
             run_processor(ordered_kafka(restarted.bootstrap_servers, "recreated."),
                           str(tmp_path), idle_s=1.0)

@@ -230,14 +230,14 @@ def poll_for(stage: GroupStage, seconds: float) -> None:
         stage.poll_once()
 
 
+@pytest.mark.one_broker("Tansu ends the rebalance after about 3 s, not the slow member's "
+                        "max.poll.interval: too close to the idle time for a sure test",
+                        engine="kafka")
 def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, tmp_path):
     """Apache Kafka: a member that stopped polling holds a rebalance up for its
     max.poll.interval. A stage whose partition that rebalance revoked must not count the
     wait as idleness, as `--until-idle` does: it ends only once the stage took its
     partition over again."""
-    if broker.engine != "kafka":
-        pytest.skip("Tansu ends the rebalance after about 3 s, not the slow member's "
-                    "max.poll.interval: too close to the idle time for a sure test")
     kafka = suite_kafka(broker.bootstrap_servers,
                         topic_prefix=f"slow{time.monotonic_ns()}.", event_partitions=2)
     kafka.ensure_topics()
