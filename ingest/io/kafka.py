@@ -205,14 +205,16 @@ class PartitionReader:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self._what}: could not read {', '.join(self._topics)} to "
                                    f"the end within {timeout_s:.0f} s")
-            polled = self.poll(poll_ms)
-            if not polled and not any((fetch_position(self.consumer, tp) or 0) < end[tp]
-                                      for tp in self.tps):
-                if not quiet_ms:
-                    return
+            # Checked before polling: a reader already at the end (the gateway's registry
+            # on every lookup) returns at once instead of waiting out a poll.
+            if any((fetch_position(self.consumer, tp) or 0) < end[tp] for tp in self.tps):
+                polled = self.poll(poll_ms)
+            elif quiet_ms:
                 polled = self.poll(quiet_ms)
                 if not polled:
                     return
+            else:
+                return
             for records in polled.values():
                 yield from records
 

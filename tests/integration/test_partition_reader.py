@@ -133,6 +133,23 @@ def test_reading_to_the_end_past_a_stalled_fetch_gets_every_partition_once(kafka
     assert got == sent
 
 
+def test_a_reader_at_the_end_returns_without_waiting_out_a_poll(kafka):
+    """The gateway reads the runs topic to its end on every lookup: with nothing new, the
+    lookup must not wait for a poll's timeout."""
+    topic = kafka.topics.control
+    _send(kafka, topic, [b"a"])
+    reader = PartitionReader(kafka, [topic], what="test reader")
+    try:
+        assert [r.value for r in reader.read_to_end(timeout_s=60)] == [b"a"]
+        polls = []
+        poll = reader.consumer.poll
+        reader.consumer.poll = lambda *args, **kwargs: polls.append(1) or poll(*args, **kwargs)
+        assert list(reader.read_to_end(timeout_s=60)) == []
+        assert polls == []
+    finally:
+        reader.close()
+
+
 def test_reading_to_the_end_gives_up_with_an_error_naming_the_reader(kafka, quick_checks,
                                                                      monkeypatch):
     """A fetch that stays stalled (no replacement here) ends in a clear error, not a wait
