@@ -13,12 +13,15 @@ import time
 
 import pytest
 
+from gateway import runs as runs_module
 from gateway.prompts import wal
 from gateway.runs import RunRegistry
 from ingest.io import kafka as kafka_module
 from ingest.io.kafka import KafkaSettings, PartitionReader
+from ingest.processor import run_configs as run_configs_module
+from ingest.processor.run_configs import RunConfigs
 from ingest.sdk.publisher import RolloutPublisher
-from schemas.errors import UnavailableError
+from schemas.errors import BrokerUnavailableError, UnavailableError
 
 
 def _stall(reader: PartitionReader):
@@ -174,3 +177,33 @@ def test_a_prompt_cursor_log_that_cannot_be_read_in_time_is_unavailable(kafka, m
     with pytest.raises(UnavailableError, match=f"reading {kafka.topics.events} to restore run "
                                                "'slow' took over 0 s"):
         wal.read_group_log(kafka, kafka.topics.events, "slow", {})
+
+
+def test_a_run_lookup_that_cannot_read_the_runs_topic_in_time_is_a_clear_503(kafka, monkeypatch):
+    monkeypatch.setattr(runs_module, "READ_LIMIT_S", 0.0)
+    registry = RunRegistry(kafka)
+    try:
+        with pytest.raises(BrokerUnavailableError, match=f"could not read {kafka.topics.runs}: "
+                                                         "not read to the end within 0 s"):
+            registry.get("any")
+    finally:
+        registry.close()
+
+
+def test_a_catch_up_past_its_time_goes_on_and_reads_the_rest_later(kafka, monkeypatch, caplog):
+    """At start a stage reads the runs topic for at most CATCH_UP_S, then goes on: a run
+    it has not read yet is read by its next refresh."""
+    with RolloutPublisher(kafka) as publisher:
+        publisher.run_started("early", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
+    monkeypatch.setattr(run_configs_module, "CATCH_UP_S", 0.0)
+    configs = RunConfigs(kafka)
+    try:
+        configs.catch_up()
+        assert f"runs topic: could not read {kafka.topics.runs} to the end within 0 s" \
+            in caplog.text
+        deadline = time.monotonic() + 30
+        while "early" not in configs.configs and time.monotonic() < deadline:
+            configs.refresh(timeout_ms=200)
+        assert configs.configs["early"].n_samples_per_prompt == 2
+    finally:
+        configs.close()
