@@ -214,30 +214,33 @@ def _processor(kafka, lake_root: str) -> subprocess.Popen[str]:
 
 
 # Runs of the partial-rollout test's first step until its seal cuts a request mid-generation.
-SEAL_MID_GENERATION_TRIES = 3
+SEAL_MID_GENERATION_TRIES = 4
 
 
-def _read_until_step_waits(worker: subprocess.Popen[str], step: int) -> None:
+def _read_until_step_waits(worker: subprocess.Popen[str], step: int) -> list[str]:
     """Read the worker's log until step `step` waits for weight version `step` (the steps
-    before it done); fails if the worker exits first."""
+    before it done): the lines read. Fails if the worker exits first."""
     assert worker.stderr is not None
+    lines = []
     for line in worker.stderr:
+        lines.append(line)
         if f"step {step} waits for weight version {step}" in line:
-            return
+            return lines
     pytest.fail(f"worker exited with {worker.wait()} before step {step}")
 
 
-def _kill_once_step_1_waits(command: list[str], env: dict[str, str]) -> None:
+def _kill_once_step_1_waits(command: list[str], env: dict[str, str]) -> list[str]:
     """Run the worker `command` until its step 0 is done (recycles included) and step 1
-    waits for weights that never come, then kill -9 it."""
+    waits for weights that never come, then kill -9 it: its log up to then."""
     worker = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=env)
     try:
-        _read_until_step_waits(worker, 1)
+        lines = _read_until_step_waits(worker, 1)
         time.sleep(1.0)  # its last sample_aborted events leave the producer
     finally:
         worker.kill()
         worker.wait()
+    return lines
 
 
 def _joined_processor(kafka, lake_root: str) -> subprocess.Popen[str]:
@@ -673,12 +676,13 @@ def test_partial_rollout_continues_each_cancelled_sample_once_across_kills(
                     content=body).raise_for_status()
         processor = _joined_processor(kafka, lake_root)
         try:
+            tries = []
             for _ in range(SEAL_MID_GENERATION_TRIES):
                 run_id = unique_run()
                 client.post("/v1/runs", json={"run_id": run_id, "dataset": "squares", "config": {
                     "n_samples_per_prompt": n, "rollout_batch_size": 1, "rollout_shuffle": False,
                 }}).raise_for_status()
-                _kill_once_step_1_waits(_gateway_worker(
+                log_lines = _kill_once_step_1_waits(_gateway_worker(
                     engine, kafka, run_id, gateway.url, *flags, "--num-steps", "2",
                     "--max-staleness", "0", "--max-in-flight", "2"), env)
                 recycled = Lake(lake_root).read("recycled_samples",
@@ -686,9 +690,14 @@ def test_partial_rollout_continues_each_cancelled_sample_once_across_kills(
                 partial = {(r["group_index"], r["rollout_id"]): r for r in recycled.to_pylist()}
                 if any(0 < len(r["response_tokens"]) < max_new for r in partial.values()):
                     break
+                # What the try did, for the failure: how many samples it recycled and of
+                # what lengths, and when its worker saw the seal.
+                tries.append(f"{run_id}: recycled lengths "
+                             f"{sorted(len(r['response_tokens']) for r in partial.values())}; "
+                             f"worker: {[line.strip() for line in log_lines if 'sealed' in line]}")
             else:
                 pytest.fail(f"in {SEAL_MID_GENERATION_TRIES} runs no seal cut a request "
-                            "mid-generation")
+                            "mid-generation:\n" + "\n".join(tries))
             gateway.kill()
         finally:
             if processor.poll() is None:
