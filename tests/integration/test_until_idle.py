@@ -21,7 +21,7 @@ from kafka.protocol.consumer.metadata import (
 
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io import kafka as kafka_module
-from ingest.io.kafka import KafkaSettings, poll_in_group
+from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
 from ingest.processor.config import ProcessorConfig
@@ -279,7 +279,7 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
 def member(kafka: KafkaSettings, group: str, **overrides) -> KafkaConsumer:
     """Another member of the consumer group `group`."""
     consumer = kafka.consumer(group_id=group, session_timeout_ms=SESSION_TIMEOUT_MS, **overrides)
-    consumer.subscribe([kafka.topics.events])
+    subscribe_once_listed(consumer, kafka.topics.events, timeout_s=30)
     return consumer
 
 
@@ -348,7 +348,7 @@ def test_a_stage_assigned_nothing_is_not_idle_while_the_lake_lacks_its_topic(bro
     leader = kafka.consumer(group_id=f"{config.group_prefix}-groups",
                             session_timeout_ms=SESSION_TIMEOUT_MS,
                             partition_assignment_strategy=[_TakeEverything])
-    leader.subscribe([kafka.topics.events])
+    subscribe_once_listed(leader, kafka.topics.events, timeout_s=30)
     deadline = time.monotonic() + 60
     while not leader.assignment():  # joins alone first: the group's leader
         assert time.monotonic() < deadline, "the first member did not join"
