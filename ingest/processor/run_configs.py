@@ -84,7 +84,7 @@ class RunConfigs:
             log.warning("%s", err)
         self._save()
 
-    def read_to_end(self, timeout_ms: int) -> bool:
+    def all_read(self, timeout_ms: int) -> bool:
         """Has every `run_started` published so far been read? A stage is not idle before:
         its groups may be waiting for their run's config. Raises `KafkaError` when the
         broker does not answer."""

@@ -315,7 +315,7 @@ class Stage(ConsumerRebalanceListener):
         owned = [tp for tp in self.consumer.assignment() if tp.partition in self.owned]
         try:
             end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
-            runs_read = self.runs.read_to_end(timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+            runs_read = self.runs.all_read(timeout_ms=int(PROBE_TIMEOUT_S * 1000))
             others_read = self._unassigned_in_lake()
         except KafkaError:
             return False  # the broker health check reports an outage
