@@ -144,8 +144,11 @@ class Stage(ConsumerRebalanceListener):
         self.rebalanced = True
 
     def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        # Also reached from on_partitions_lost (a session expired), after which kafka-python
+        # lists no assignment while it rejoins: read to the end before says nothing now.
         self.newly_assigned -= set(revoked)
         self.owned -= {tp.partition for tp in revoked}
+        self.caught_up, self.ends_checked = False, {}
         for tp in revoked:
             self.last_records.pop(tp.partition, None)
         self._release({tp.partition for tp in revoked})

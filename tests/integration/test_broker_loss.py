@@ -209,8 +209,8 @@ def test_a_freeze_longer_than_until_idle_is_not_taken_for_idle(broker, tmp_path)
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stderr
     assert "the process did not run for" in stderr, stderr
-    assert sorted(r["group_index"] for r in rows(lake, "groups", "r")) == [0, 1, 2]
-    assert sorted(r["step"] for r in rows(lake, "steps", "r")) == [0, 1, 2]
+    assert sorted(r["group_index"] for r in rows(lake, "groups", "r")) == [0, 1, 2], stderr
+    assert sorted(r["step"] for r in rows(lake, "steps", "r")) == [0, 1, 2], stderr
 
 
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):

@@ -81,6 +81,32 @@ def test_a_stage_between_a_revocation_and_its_next_take_over_is_not_idle(kafka, 
         stage.close()
 
 
+@pytest.mark.one_broker("the test drives the consumer's rebalance callbacks itself")
+def test_a_stage_that_lost_its_membership_is_not_idle_while_it_rejoins(kafka, tmp_path):
+    """A member whose session expired (a process frozen longer than its session timeout)
+    loses its partitions: kafka-python calls `on_partitions_lost` and clears the
+    assignment, then rejoins inside the stage's poll. Seen from the processor's main
+    thread meanwhile, the stage owned nothing of an assignment that lists nothing, and
+    was read to the end before the freeze: a CI run on Apache Kafka ended `--until-idle`
+    there with the events published during the freeze unread."""
+    stage = idle_group_stage(kafka, tmp_path, "lost")
+    try:
+        owned = set(stage.consumer.assignment())
+        assert owned and stage.idle
+
+        stage.on_partitions_lost(owned)  # as kafka-python does when the generation is lost
+        stage.consumer._subscription.assign_from_subscribed([])
+        assert not stage.idle  # what the main thread sees while the poll rejoins
+
+        stage.consumer._subscription.assign_from_subscribed(owned)  # the rejoin completed
+        stage.on_partitions_assigned(owned)
+        poll_until_idle(stage)
+        assert stage.owned == {tp.partition for tp in owned}
+        assert {g for run, g in stage.pending if run == "lost"} == {0}  # taken over again
+    finally:
+        stage.close()
+
+
 def test_a_stage_whose_polls_come_back_empty_while_messages_wait_is_not_idle(kafka, tmp_path):
     """A poll can return nothing while its partition still holds unread messages (a slow
     broker, the first fetch after a take-over): a CLI run on a loaded machine once ended
