@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -186,6 +188,18 @@ def test_a_processor_frozen_on_a_healthy_broker_goes_on(broker, tmp_path):
     assert len(archived) == 9 == len({r["event_id"] for r in archived})
 
 
+def _keep_busy(kafka: KafkaSettings, stop: threading.Event) -> None:
+    """An event of another run every 0.3 s until `stop`: each starts the processor's idle
+    count again, so it still runs, not finishing, when it is frozen. (In CI the batch-stage
+    child wrote its first steps row 5 s after the parent's last event: the parent was
+    finishing already, and the events published during the freeze were never read.)"""
+    publish(kafka, "busy", RUN, [])
+    for group_index in itertools.count():
+        if stop.wait(0.3):
+            return
+        publish(kafka, "busy", None, [started("busy", group_index)])
+
+
 def test_a_freeze_longer_than_until_idle_is_not_taken_for_idle(broker, tmp_path):
     """Events arrive while the processor (both its processes) is frozen for longer than
     `--until-idle-s`: once it runs again it reads them before it finishes."""
@@ -197,14 +211,20 @@ def test_a_freeze_longer_than_until_idle_is_not_taken_for_idle(broker, tmp_path)
            "--event-partitions", "1", "--until-idle-s", "2"]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
+    stop_busy = threading.Event()
+    busy = threading.Thread(target=_keep_busy, args=(kafka, stop_busy))
+    busy.start()
     try:
         _wait_for_rows(process, lake, "steps", "r", 1)
+        stop_busy.set()
+        busy.join()
         os.killpg(process.pid, signal.SIGSTOP)
         publish(kafka, "r", None, [*group("r", 1), *group("r", 2)])
         time.sleep(2 + FreezeWatch.FREEZE_S + 1)
         os.killpg(process.pid, signal.SIGCONT)
         _, stderr = process.communicate(timeout=90)
     finally:
+        stop_busy.set()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 0, stderr
