@@ -294,9 +294,9 @@ class Stage(ConsumerRebalanceListener):
         self.on_partitions_revoked(assigned)
         self.consumer.close()
         self.newly_assigned, self.rebalanced, self.unowned_polls = set(), False, 0
-        # Not idle until the new member has its partitions and has read them to the end:
-        # its first assignment can be empty, and the old member's reads count for nothing.
-        self.joined, self.caught_up, self.ends_checked = False, False, {}
+        # Not idle until the new member has its partitions (its first assignment can be
+        # empty); the revocation above forgot what the old member had read.
+        self.joined = False
         self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
         self.health.state = "joining"  # the new member's partitions are logged once it joins
         self.consumer = self._member()
