@@ -233,7 +233,9 @@ class Lake:
                     storage_options=self.storage_options or None,
                 )
             except CommitFailedError:
-                log.warning("concurrent commit on %s, retrying (%d)", table, attempt + 1)
+                # Expected now and then (a background compaction, another instance's
+                # commit): only running out of retries is worth a user's attention.
+                log.info("concurrent commit on %s, retrying (%d)", table, attempt + 1)
                 dt.update_incremental()
                 continue
             # write_deltalake moved `dt` to the version it committed (a reload would cost

@@ -575,7 +575,7 @@ def test_a_take_over_of_a_partition_archived_elsewhere_meanwhile_commits_without
     """The archiver writes through a table handle of its own. A partition that went to
     another instance and came back was archived there meanwhile: the first archive commit
     after the take-over must start from the table as it is now, not go through a conflict
-    with the other instance's commit and a retry (a warning at every such take-over)."""
+    with the other instance's commit and a retry (logged) at every such take-over."""
     kafka = ordered_kafka(broker.bootstrap_servers, f"back{uuid.uuid4().hex[:8]}.")
     lake_root = str(tmp_path / "lake")
     run = "came-back"
@@ -594,7 +594,7 @@ def test_a_take_over_of_a_partition_archived_elsewhere_meanwhile_commits_without
                      [TxnMark(app_id("events", tp.topic, tp.partition), ends[tp] - 1)
                       for tp in owned])
         publish(kafka, run, None, opened[2:])
-        caplog.set_level(logging.WARNING, logger="ingest.io.lake")
+        caplog.set_level(logging.INFO, logger="ingest.io.lake")
         stage.on_partitions_assigned(owned)  # and it comes back
         poll_until_idle(stage)
     finally:
