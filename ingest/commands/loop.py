@@ -474,7 +474,7 @@ def add_arguments(parser: Any) -> None:
 def run(args: Any) -> int:
     # The loop owns its broker; kafka-python's own records would clutter the step rows.
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    for noisy in ("httpx", "ingest.processor", "ingest.io.broker"):
+    for noisy in ("httpx", "ingest.processor", "ingest.io.broker", "ingest.io.lake"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = config_from_args(LoopConfig, args)
     from transformers.utils import logging as transformers_logging

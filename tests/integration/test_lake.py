@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -52,6 +53,23 @@ def test_two_writers_on_one_table_each_keep_their_marks(tmp_path):
     assert fresh.txn_version("step_metrics", "a:0") == 1
     assert fresh.txn_version("step_metrics", "b:0") == 0
     assert fresh.read("step_metrics").num_rows == 3
+
+
+def test_a_commit_that_meets_another_writers_retries_and_says_so_at_info(tmp_path, caplog):
+    """A conflict is expected now and then (a background compaction, another instance's
+    commit): the retry is logged at info; a warning printed in the middle of `make demo`'s
+    reward table."""
+    caplog.set_level(logging.INFO, logger="ingest.io.lake")
+    first, second = Lake(tmp_path), Lake(tmp_path)
+    first.append("step_metrics", _metric(0), [TxnMark("src:0", 0)])
+    assert second.txn_version("step_metrics", "src:0") == 0  # its snapshot, soon stale
+    first.append("step_metrics", _metric(1), [TxnMark("src:0", 1)])
+    assert second.append("step_metrics", _metric(2), [TxnMark("src:0", 2)]) is not None
+    retries = [r for r in caplog.records if "concurrent commit on step_metrics" in r.getMessage()]
+    assert [r.levelno for r in retries] == [logging.INFO]
+    fresh = Lake(tmp_path)
+    assert fresh.txn_version("step_metrics", "src:0") == 2
+    assert sorted(fresh.read("step_metrics").column("step").to_pylist()) == [0, 1, 2]
 
 
 def test_pruned_read_returns_only_matching_files(tmp_path):
