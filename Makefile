@@ -19,12 +19,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 # torch is pinned first (PyPI's 2.13.0: a CUDA build that runs on the CPU) so nothing later
-# pulls another version.
+# pulls another version. DeepSpeed compiles its CPU shared-memory all-reduce op the first
+# time a trainer starts in a venv (27 s on a quiet machine, 225 s under the test suite's
+# load: past a trainer test's start timeout); it is compiled here instead, once per venv.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[trainer,test]'
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null
 	touch $(STAMP)
 
 # An editable install leaves the packages' bytecode to the first import, which writes none
