@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 from kafka.partitioner.default import murmur2
 from pydantic import (
     BaseModel,
@@ -89,6 +89,25 @@ def subscribe_once_listed(consumer: KafkaConsumer, topic: str, listener: Any = N
         time.sleep(0.1)
     consumer.subscribe([topic], listener=listener)
     consumer._coordinator._handle_metadata_update(consumer._client.cluster)
+
+
+def close_producer(producer: KafkaProducer, timeout_s: float | None) -> bool:
+    """Close `producer`, waiting up to `timeout_s` for what it has not sent yet; False when
+    records were still unsent then, and were dropped.
+
+    kafka-python 3.0's `close(timeout)` flushes first and, with records still pending (a
+    broker that is gone: an idempotent producer retries them until `delivery_timeout_ms`,
+    120 s), raises KafkaTimeoutError before it reaches its force close. The producer then
+    lives on, a `flush()` blocked in another thread stays blocked, and so does the
+    interpreter's exit, which joins that thread. The sender's force close aborts the pending
+    batches, which ends such a flush too.
+    """
+    try:
+        producer.close(timeout=timeout_s)
+    except KafkaTimeoutError:
+        producer._sender.force_close()
+        return False
+    return True
 
 
 def poll_in_group(consumer: KafkaConsumer, timeout_ms: int, *, join_wait_ms: int) -> dict:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import InvalidSessionTimeoutError, KafkaError, KafkaTimeoutError
+from kafka.errors import InvalidSessionTimeoutError, KafkaError
 
-from ingest.io.kafka import fetch_position, poll_in_group, subscribe_once_listed
+from ingest.io.kafka import close_producer, fetch_position, poll_in_group, subscribe_once_listed
 from ingest.io.lake import BackgroundCompaction, Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
@@ -465,15 +465,12 @@ class Stage(ConsumerRebalanceListener):
     def close(self, timeout_s: float | None = None) -> None:
         """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""
         timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
-        try:
-            self.producer.flush(timeout=timeout_s)
-        except KafkaTimeoutError:
+        if not close_producer(self.producer, timeout_s):
             # Only on the way out after an error: what was not sent is re-derived from the
             # lake on restart.
             log.info("%s stage: unsent messages dropped at exit", self.health.role)
         self.consumer.close(timeout_ms=timeout_ms)
         self.runs.close()
-        self.producer.close(timeout=timeout_s)
         self.compaction.close()
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:

@@ -18,6 +18,9 @@ import pytest
 
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import FreezeWatch
 from tests.integration.pipeline import (
     event,
@@ -231,6 +234,29 @@ def test_a_freeze_longer_than_until_idle_is_not_taken_for_idle(broker, tmp_path)
     assert "the process did not run for" in stderr, stderr
     assert sorted(r["group_index"] for r in rows(lake, "groups", "r")) == [0, 1, 2], stderr
     assert sorted(r["step"] for r in rows(lake, "steps", "r")) == [0, 1, 2], stderr
+
+
+def test_a_stage_closing_after_its_broker_died_ends_a_publish_stuck_on_it(own_broker, tmp_path):
+    """A decision sent just before the broker died waits in the producer, which retries it
+    for two minutes (kafka-python's delivery timeout), and so does the archiver's flush of
+    it. Closing the stage on the way out must end both: kafka-python's own close with a
+    timeout raised instead, and the process waited the two minutes at exit for the
+    archiver's thread (a clean-clone CI run exited 120 s after the broker's kill)."""
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "stuck.")
+    publish(kafka, "r", RUN, group("r", 0))
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake), Lake(lake))
+    os.kill(own_broker.process.pid, signal.SIGKILL)
+    stage.producer.send(kafka.topics.decisions, value=b"in flight")
+    archiver_publish = threading.Thread(target=stage.producer.flush, daemon=True)
+    archiver_publish.start()
+    archiver_publish.join(1.0)
+    assert archiver_publish.is_alive()  # stuck on the dead broker
+    closing = time.monotonic()
+    stage.close(timeout_s=2.0)
+    archiver_publish.join(10.0)
+    assert not archiver_publish.is_alive()
+    assert time.monotonic() - closing < 20
 
 
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
