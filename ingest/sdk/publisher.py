@@ -19,7 +19,7 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
-from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings, event_record
+from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings, close_producer, event_record
 from schemas.errors import BrokerUnavailableError
 from schemas.events import SCHEMA_VERSION, AnyEvent, parse_event
 
@@ -82,10 +82,13 @@ class RolloutPublisher:
                 raise BrokerUnavailableError(f"an event was not acknowledged: {future.exception}")
 
     def close(self) -> None:
+        """Flush (raising if an event was not acknowledged), then close. Events still unsent
+        after the flush's 30 s, as on a broker that is gone, are dropped rather than retried
+        until kafka-python's 120 s delivery timeout."""
         try:
             self.flush()
         finally:
-            self._producer.close()
+            close_producer(self._producer, timeout_s=0)
 
     def __enter__(self) -> RolloutPublisher:
         return self

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import orjson
 import pytest
 
+from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.kafka import KafkaSettings
 from ingest.sdk.publisher import RolloutPublisher
-from schemas.errors import EventTooLargeError, EventValidationError
+from schemas.errors import BrokerUnavailableError, EventTooLargeError, EventValidationError
 from schemas.events import decode_event
 from tests.support.gateway_support import consume_all
+from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 
 def test_events_are_keyed_by_group_and_roundtrip(kafka):
@@ -54,3 +61,22 @@ def test_eight_mib_event_passes_and_larger_is_refused(kafka):
     assert len(records) == 1
     assert 8_000_000 < len(records[0].value) <= 8 * 1024 * 1024
     assert decode_event(records[0].value).event_id == event.event_id
+
+
+def test_closing_on_a_dead_broker_reports_the_unsent_events_and_returns():
+    """The close flushes for 30 s and says what was not acknowledged; kafka-python's own
+    close then waited for its 120 s delivery timeout on the events it kept retrying."""
+    broker = EmbeddedBroker(free_port()).start(SUITE_BROKER_START_S)
+    try:
+        pub = RolloutPublisher(KafkaSettings(bootstrap_servers=broker.bootstrap_servers,
+                                             topic_prefix="dead."))
+        pub.run_started("run-d", {"n_samples_per_prompt": 1, "rollout_batch_size": 1})
+        pub.flush()
+        os.kill(broker.process.pid, signal.SIGKILL)
+        pub.group_started("run-d", group_index=0, step=0, n_samples=1, prompt="hi")
+        closing = time.monotonic()
+        with pytest.raises(BrokerUnavailableError, match="flush failed"):
+            pub.close()
+        assert time.monotonic() - closing < 60
+    finally:
+        broker.stop()
