@@ -23,7 +23,6 @@ def test_the_cli_and_the_launcher_import_nothing_heavy():
     assert result.stdout.strip() == ""
 
 
-
 def _bytecode_matches(source: Path, cached: Path) -> bool:
     """The check an import makes of a timestamp-based .pyc: source mtime and size."""
     if not cached.exists():
