@@ -16,13 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from kafka.errors import KafkaError
 
+from ingest.io.kafka import close_producer
 from ingest.io.lake import Lake, TxnMark
 from schemas.control import WeightsUpdated
+from schemas.errors import BrokerUnavailableError
 from schemas.tables import TRAINER_STEPS
 from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
+
+WEIGHTS_ACK_TIMEOUT_S = 30
+"""How long a `weights_updated` publish waits for the broker's acknowledgement."""
 
 # Miles names for the metrics it has (MILES_SEMANTICS 8.5 / Miles log_utils), so dashboards
 # carry over; the clip-bound split and token counts are rolloutlake additions.
@@ -119,16 +125,27 @@ class StepSink:
         )
         if self._producer is None:
             self._producer = kafka.producer()
-        self._producer.send(
-            kafka.topics.control,
-            key=self.config.run_id.encode(),
-            value=message.model_dump_json().encode(),
-        ).get(timeout=30)
+        try:
+            self._producer.send(
+                kafka.topics.control,
+                key=self.config.run_id.encode(),
+                value=message.model_dump_json().encode(),
+            ).get(timeout=WEIGHTS_ACK_TIMEOUT_S)
+        except KafkaError as err:
+            # Dropped, not left to retry: the exit would wait for the delivery timeout.
+            close_producer(self._producer, timeout_s=0)
+            self._producer = None
+            raise BrokerUnavailableError(
+                f"weights_updated for step {step} was not acknowledged by "
+                f"{kafka.bootstrap_servers} within {WEIGHTS_ACK_TIMEOUT_S} s "
+                f"({type(err).__name__}); the step is checkpointed, and a restart publishes "
+                "it again"
+            ) from None
         log.info("published weights_updated step=%d version=%d path=%s", step, version, path)
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.flush()
-            self._producer.close()
+            # Every publish waited for its acknowledgement: nothing is left to send.
+            close_producer(self._producer, timeout_s=0)
         if self._wandb_run is not None:
             self._wandb_run.finish()
