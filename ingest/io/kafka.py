@@ -110,6 +110,26 @@ def close_producer(producer: KafkaProducer, timeout_s: float | None) -> bool:
     return True
 
 
+def unacknowledged(producer: KafkaProducer, sent: list[Any], timeout_s: float | None
+                   ) -> str | None:
+    """Flush `producer` for up to `timeout_s` and check `sent`, futures of its sends: None
+    when each was acknowledged, else how it was not (" within 30 s", ": <error>"), to follow
+    "not acknowledged by the broker" in the caller's error.
+
+    kafka-python's `flush()` returns once every record has completed, acknowledged or failed
+    (an idempotent producer gives a record up after its 120 s delivery timeout), and does
+    not say which: without the check a record the broker never took passes for sent.
+    """
+    try:
+        producer.flush(timeout=timeout_s)
+    except KafkaTimeoutError:
+        return f" within {timeout_s:g} s"
+    except KafkaError as err:
+        return f": {err}"
+    failed = next((future for future in sent if future.failed()), None)
+    return None if failed is None else f": {failed.exception}"
+
+
 def poll_in_group(consumer: KafkaConsumer, timeout_ms: int, *, join_wait_ms: int) -> dict:
     """`consumer.poll(timeout_ms)`, a join of its group that is due or in flight first
     waited out for up to `join_wait_ms`; a poll that completes a join returns nothing, so

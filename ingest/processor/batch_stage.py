@@ -358,14 +358,15 @@ class BatchStage(Stage):
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
         published = {p: self._recorded("groups", p) for p in marks}
-        demands = self._new_demands(pending, published)
-        for run_id, demand in demands:
+        demands = []
+        for run_id, demand in self._new_demands(pending, published):
             needed = Demand(run_id=run_id, step=demand.step, groups_needed=demand.groups_needed,
                             kept=demand.kept, in_flight=demand.in_flight, issued=demand.issued)
-            self.producer.send(self.topics.control, key=run_id.encode(),
-                               value=needed.model_dump_json().encode())
+            demands.append(self.producer.send(self.topics.control, key=run_id.encode(),
+                                              value=needed.model_dump_json().encode()))
         if demands:
-            self.producer.flush()
+            # before the `groups` rows, which mark them as published
+            self.await_sent(demands, "demand messages")
         commits: list[Future[Any]] = [self.committers.submit(self._write, "samples", pending, marks),
                    self.committers.submit(self._write_metrics, pending, marks),
                    self.committers.submit(self._write, "groups", pending, marks)]
@@ -400,12 +401,13 @@ class BatchStage(Stage):
         held = {p: self._recorded("training_batches", p) for p in marks}
         batch_version = self._write("training_batches", pending, marks)
         new_steps = self._write_steps(pending, batch_version, held, marks)
+        seals = []
         for run_id, step, sealed_at in new_steps:
             sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
-            self.producer.send(self.topics.control, key=run_id.encode(),
-                               value=sealed.model_dump_json().encode())
-        if new_steps:
-            self.producer.flush()
+            seals.append(self.producer.send(self.topics.control, key=run_id.encode(),
+                                            value=sealed.model_dump_json().encode()))
+        if seals:
+            self.await_sent(seals, "step_sealed messages")
 
     def _new_demands(self, pending: _Pending, published: dict[int, int | None]
                      ) -> list[tuple[str, StepDemand]]:

@@ -184,11 +184,12 @@ class GroupStage(Stage):
     def close(self, timeout_s: float | None = None) -> None:
         if self.archiving is not None:
             done, _ = wait([self.archiving], timeout=timeout_s)
-            # A failed commit was raised by the poll after it, or the processor is stopping
-            # on another error: the restart archives and publishes it again.
+            # A failed commit or publish was raised by the poll after it (the error the
+            # processor exits with), or the processor is stopping on another error, which
+            # it says: the restart archives and publishes it again.
             if done and (error := self.archiving.exception()) is not None:
-                log.error("a poll's archive commit failed on the way out (%s): the next run "
-                          "archives it", error)
+                log.info("a poll's archive commit or its decisions failed on the way out "
+                         "(%s): the next run does it again", error)
         super().close(timeout_s)  # closing the producer ends a publish stuck on a lost broker
         self.archiver.shutdown(wait=True)
 
@@ -593,21 +594,24 @@ class GroupStage(Stage):
                  watermarks: list[tuple[int, tuple[int, int]]]) -> None:
         """Decisions and notices, then the watermarks (after them, on the same partitions,
         so a watermark never overtakes a decision it covers)."""
+        sent = []
         for item in decisions:
             if isinstance(item, Opened):
-                self.producer.send(self.topics.decisions, key=item.run_id.encode(), value=b"",
-                                   headers=[*encode_opened(item), self._sent_by])
+                sent.append(self.producer.send(
+                    self.topics.decisions, key=item.run_id.encode(), value=b"",
+                    headers=[*encode_opened(item), self._sent_by]))
                 continue
             headers, value = encode_decision(item)
-            self.producer.send(self.topics.decisions, key=item.header.run_id.encode(),
-                               value=value, headers=[*headers, self._sent_by])
+            sent.append(self.producer.send(
+                self.topics.decisions, key=item.header.run_id.encode(), value=value,
+                headers=[*headers, self._sent_by]))
         for partition, bound in watermarks:
             for target in self._decisions_partitions or ():
-                self.producer.send(self.topics.decisions, partition=target, value=b"",
-                                   headers=[*encode_watermark(partition, *bound),
-                                            self._sent_by])
-        if decisions or watermarks:
-            self.producer.flush()
+                sent.append(self.producer.send(
+                    self.topics.decisions, partition=target, value=b"",
+                    headers=[*encode_watermark(partition, *bound), self._sent_by]))
+        if sent:
+            self.await_sent(sent, "decisions")
 
     def _watermarks_due(self) -> list[tuple[int, tuple[int, int]]]:
         """(partition, bound) of each owned partition whose bound moved since the last

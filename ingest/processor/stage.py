@@ -15,7 +15,13 @@ import pyarrow.compute as pc
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import InvalidSessionTimeoutError, KafkaError
 
-from ingest.io.kafka import close_producer, fetch_position, poll_in_group, subscribe_once_listed
+from ingest.io.kafka import (
+    close_producer,
+    fetch_position,
+    poll_in_group,
+    subscribe_once_listed,
+    unacknowledged,
+)
 from ingest.io.lake import BackgroundCompaction, Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.dead_letters import DeadLetters
@@ -461,6 +467,20 @@ class Stage(ConsumerRebalanceListener):
         assigned = {tp.partition for tp in self.consumer.assignment()}
         return (self.joined and not self.working and assigned <= self.owned
                 and self.caught_up and not self.dead_letters.rows)
+
+    def await_sent(self, sent: list[Any], what: str) -> None:
+        """Wait for `sent`, futures of this stage's sends of `what`, to be acknowledged;
+        BrokerUnavailableError when the broker did not take one within --broker-timeout-s.
+        The stage then stops, before anything after the sends is committed (what was not
+        sent is derived again from the lake on restart), where it would have waited for
+        kafka-python's 120 s delivery timeout and then gone on as if it were sent."""
+        why = unacknowledged(self.producer, sent, self.config.broker_timeout_s)
+        if why is not None:
+            raise BrokerUnavailableError(
+                f"{self.health.role} stage: {what} not acknowledged by the broker at "
+                f"{self.config.kafka.bootstrap_servers}{why}; exiting so it can be restarted "
+                "once the broker is back"
+            )
 
     def close(self, timeout_s: float | None = None) -> None:
         """Flush and close the clients; `timeout_s` bounds it when the broker may be gone."""

@@ -13,15 +13,18 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ingest.core.decided import Opened
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import FreezeWatch
+from schemas.errors import BrokerUnavailableError
 from tests.integration.pipeline import (
     event,
     ordered_kafka,
@@ -257,6 +260,74 @@ def test_a_stage_closing_after_its_broker_died_ends_a_publish_stuck_on_it(own_br
     archiver_publish.join(10.0)
     assert not archiver_publish.is_alive()
     assert time.monotonic() - closing < 20
+
+
+class _GivesUpFast(KafkaSettings):
+    """A producer that gives a record up 3 s after sending it, as kafka-python's gives one
+    up after its 120 s delivery timeout."""
+
+    def producer(self, **overrides: Any) -> Any:
+        return super().producer(**{"delivery_timeout_ms": 3000, "request_timeout_ms": 1000,
+                                   "linger_ms": 0, **overrides})
+
+
+def _publish_on_thread(stage: GroupStage, opened: Opened) -> tuple[threading.Thread, list]:
+    """`stage`'s archiver publishing `opened`; the list gets what it raised."""
+    raised: list[BaseException] = []
+
+    def publish_decisions() -> None:
+        try:
+            stage._publish([opened], [])
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            raised.append(err)
+
+    archiver = threading.Thread(target=publish_decisions, daemon=True)
+    archiver.start()
+    return archiver, raised
+
+
+def test_a_decision_the_broker_never_took_stops_the_stage(own_broker, tmp_path):
+    """kafka-python's flush returns once a record is given up, and says nothing: the
+    archiver went on as if the decision were sent, and the batch stage never had it (its
+    step waited for it, or a later one took its place) until a restart derived it again."""
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "lost.")
+    gives_up = _GivesUpFast(**kafka.model_dump())
+    stage = GroupStage(ProcessorConfig(kafka=gives_up, lake=lake), Lake(lake))
+    try:
+        os.kill(own_broker.process.pid, signal.SIGKILL)
+        archiver, raised = _publish_on_thread(stage, Opened("r", 0, 0, 1, 0, 0))
+        archiver.join(30)
+        assert not archiver.is_alive()
+        assert len(raised) == 1 and isinstance(raised[0], BrokerUnavailableError), raised
+        assert str(raised[0]).startswith(
+            f"groups stage: decisions not acknowledged by the broker at "
+            f"{own_broker.bootstrap_servers}: "), raised
+    finally:
+        stage.close(timeout_s=1.0)
+
+
+def test_a_decision_stuck_on_a_dead_broker_stops_the_stage_after_the_broker_timeout(
+        own_broker, tmp_path):
+    """The archiver's flush waited for kafka-python's 120 s delivery timeout, and the stage
+    thread's next commit waits for the archiver: no poll saw the broker gone meanwhile, so
+    --broker-timeout-s did not count, and the processor exited two minutes after the kill."""
+    lake = str(tmp_path / "lake")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "stuck2.")
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake, broker_timeout_s=3), Lake(lake))
+    try:
+        os.kill(own_broker.process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        archiver, raised = _publish_on_thread(stage, Opened("r", 0, 0, 1, 0, 0))
+        archiver.join(30)
+        assert not archiver.is_alive()
+        assert 3 <= time.monotonic() - started < 30
+        assert [str(err) for err in raised] == [
+            f"groups stage: decisions not acknowledged by the broker at "
+            f"{own_broker.bootstrap_servers} within 3 s; exiting so it can be restarted once "
+            "the broker is back"]
+    finally:
+        stage.close(timeout_s=1.0)
 
 
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
