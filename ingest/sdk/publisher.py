@@ -19,7 +19,13 @@ from typing import Any
 from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
-from ingest.io.kafka import MAX_EVENT_BYTES, KafkaSettings, close_producer, event_record
+from ingest.io.kafka import (
+    MAX_EVENT_BYTES,
+    KafkaSettings,
+    close_producer,
+    event_record,
+    unacknowledged,
+)
 from schemas.errors import BrokerUnavailableError
 from schemas.events import SCHEMA_VERSION, AnyEvent, parse_event
 
@@ -72,14 +78,11 @@ class RolloutPublisher:
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
         """Block until every sent event is acknowledged; raise if any failed."""
-        try:
-            self._producer.flush(timeout=timeout_s)
-        except KafkaError as err:
-            raise BrokerUnavailableError(f"flush failed: {err}") from None
-        pending, self._pending = self._pending, []
-        for future in pending:
-            if future.failed():
-                raise BrokerUnavailableError(f"an event was not acknowledged: {future.exception}")
+        why = unacknowledged(self._producer, self._pending, timeout_s)
+        # A later flush checks what this one timed out on.
+        self._pending = [future for future in self._pending if not future.is_done]
+        if why is not None:
+            raise BrokerUnavailableError(f"events not acknowledged by the broker{why}")
 
     def close(self) -> None:
         """Flush (raising if an event was not acknowledged), then close. Events still unsent
