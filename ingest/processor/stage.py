@@ -471,9 +471,11 @@ class Stage(ConsumerRebalanceListener):
     def await_sent(self, sent: list[Any], what: str) -> None:
         """Wait for `sent`, futures of this stage's sends of `what`, to be acknowledged;
         BrokerUnavailableError when the broker did not take one within --broker-timeout-s.
-        The stage then stops, before anything after the sends is committed (what was not
-        sent is derived again from the lake on restart), where it would have waited for
-        kafka-python's 120 s delivery timeout and then gone on as if it were sent."""
+        The stage then stops before it commits what comes after the sends, where it would
+        have waited for kafka-python's 120 s delivery timeout and then gone on as if they
+        were sent. The restart sends again what the lake does not record as sent
+        (decisions, demand); a `step_sealed` follows its `steps` row, and is not sent again
+        (a worker waiting for it stops after `--seal-wait-s` without news)."""
         why = unacknowledged(self.producer, sent, self.config.broker_timeout_s)
         if why is not None:
             raise BrokerUnavailableError(
