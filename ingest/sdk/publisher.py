@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
 from ingest.io.kafka import (
@@ -53,7 +53,6 @@ class RolloutPublisher:
         self.max_event_bytes = max_event_bytes
         self._producer = self.settings.producer()
         self._pending: list[FutureRecordMetadata] = []
-        self._given_up: BaseException | None = None  # set on kafka-python's sender thread
 
     # -- generic -----------------------------------------------------------------------
 
@@ -67,19 +66,11 @@ class RolloutPublisher:
         return self.send_raw(*event_record(event, self.topics, max_bytes=self.max_event_bytes))
 
     def send_raw(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
-        """Send pre-encoded bytes (already validated by the caller) and track the future.
-
-        BrokerUnavailableError once the producer gave an event up (a broker away for longer
-        than the 120 s delivery timeout): kafka-python 3.0's idempotent producer sends
-        nothing after that, neither the records it holds nor new ones, and never fails them
-        either (measured on Tansu and Apache Kafka), so what this publisher would take from
-        then on would be lost without a word."""
-        self._refuse_once_given_up()
+        """Send pre-encoded bytes (already validated by the caller) and track the future."""
         try:
             future = self._producer.send(topic, key=key, value=value)
         except KafkaError as err:
             raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
-        future.add_errback(self._give_up)
         self._pending.append(future)
         if len(self._pending) > 10000:
             self._pending = [f for f in self._pending if not f.is_done]
@@ -87,23 +78,11 @@ class RolloutPublisher:
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
         """Block until every sent event is acknowledged; raise if any failed."""
-        self._refuse_once_given_up()  # what it holds would never complete
         why = unacknowledged(self._producer, self._pending, timeout_s)
         # A later flush checks what this one timed out on.
         self._pending = [future for future in self._pending if not future.is_done]
         if why is not None:
             raise BrokerUnavailableError(f"events not acknowledged by the broker{why}")
-
-    def _give_up(self, error: BaseException) -> None:
-        if isinstance(error, KafkaTimeoutError) and self._given_up is None:
-            self._given_up = error
-
-    def _refuse_once_given_up(self) -> None:
-        if self._given_up is not None:
-            raise BrokerUnavailableError(
-                f"the broker did not acknowledge an event in time ({self._given_up}), and this "
-                "publisher's producer sends nothing after that: publish with a new "
-                "RolloutPublisher once the broker answers")
 
     def close(self) -> None:
         """Flush (raising if an event was not acknowledged), then close. Events still unsent
