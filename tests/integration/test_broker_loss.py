@@ -289,20 +289,23 @@ def _publish_on_thread(stage: GroupStage, opened: Opened) -> tuple[threading.Thr
 def test_a_decision_the_broker_never_took_stops_the_stage(own_broker, tmp_path):
     """kafka-python's flush returns once a record is given up, and says nothing: the
     archiver went on as if the decision were sent, and the batch stage never had it (its
-    step waited for it, or a later one took its place) until a restart derived it again."""
+    step waited for it, or a later one took its place) until a restart derived it again.
+    (On a loaded machine the idempotent producer may instead stop sending without giving
+    the record up, docs/producers.md: then the broker timeout is what ends the wait.)"""
     lake = str(tmp_path / "lake")
     kafka = ordered_kafka(own_broker.bootstrap_servers, "lost.")
     gives_up = _GivesUpFast(**kafka.model_dump())
-    stage = GroupStage(ProcessorConfig(kafka=gives_up, lake=lake), Lake(lake))
+    stage = GroupStage(ProcessorConfig(kafka=gives_up, lake=lake, broker_timeout_s=20),
+                       Lake(lake))
     try:
         os.kill(own_broker.process.pid, signal.SIGKILL)
         archiver, raised = _publish_on_thread(stage, Opened("r", 0, 0, 1, 0, 0))
-        archiver.join(30)
+        archiver.join(60)
         assert not archiver.is_alive()
         assert len(raised) == 1 and isinstance(raised[0], BrokerUnavailableError), raised
-        assert str(raised[0]).startswith(
-            f"groups stage: decisions not acknowledged by the broker at "
-            f"{own_broker.bootstrap_servers}: "), raised
+        assert re.match(f"groups stage: decisions not acknowledged by the broker at "
+                        f"{re.escape(own_broker.bootstrap_servers)}(: | within 20 s;)",
+                        str(raised[0])), raised
     finally:
         stage.close(timeout_s=1.0)
 
