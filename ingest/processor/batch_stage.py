@@ -358,15 +358,15 @@ class BatchStage(Stage):
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
         published = {p: self._recorded("groups", p) for p in marks}
-        demands = []
+        sent_demands = []
         for run_id, demand in self._new_demands(pending, published):
             needed = Demand(run_id=run_id, step=demand.step, groups_needed=demand.groups_needed,
                             kept=demand.kept, in_flight=demand.in_flight, issued=demand.issued)
-            demands.append(self.producer.send(self.topics.control, key=run_id.encode(),
-                                              value=needed.model_dump_json().encode()))
-        if demands:
+            sent_demands.append(self.producer.send(self.topics.control, key=run_id.encode(),
+                                                   value=needed.model_dump_json().encode()))
+        if sent_demands:
             # before the `groups` rows, which mark them as published
-            self.await_sent(demands, "demand messages")
+            self.await_sent(sent_demands, "demand messages")
         commits: list[Future[Any]] = [self.committers.submit(self._write, "samples", pending, marks),
                    self.committers.submit(self._write_metrics, pending, marks),
                    self.committers.submit(self._write, "groups", pending, marks)]
@@ -401,13 +401,13 @@ class BatchStage(Stage):
         held = {p: self._recorded("training_batches", p) for p in marks}
         batch_version = self._write("training_batches", pending, marks)
         new_steps = self._write_steps(pending, batch_version, held, marks)
-        seals = []
+        sent_seals = []
         for run_id, step, sealed_at in new_steps:
             sealed = StepSealed(run_id=run_id, step=step, sealed_at=sealed_at)
-            seals.append(self.producer.send(self.topics.control, key=run_id.encode(),
-                                            value=sealed.model_dump_json().encode()))
-        if seals:
-            self.await_sent(seals, "step_sealed messages")
+            sent_seals.append(self.producer.send(self.topics.control, key=run_id.encode(),
+                                                 value=sealed.model_dump_json().encode()))
+        if sent_seals:
+            self.await_sent(sent_seals, "step_sealed messages")
 
     def _new_demands(self, pending: _Pending, published: dict[int, int | None]
                      ) -> list[tuple[str, StepDemand]]:
