@@ -132,7 +132,9 @@ class StepSink:
                 value=message.model_dump_json().encode(),
             ).get(timeout=WEIGHTS_ACK_TIMEOUT_S)
         except KafkaError as err:
-            # Dropped, not left to retry: the exit would wait for the delivery timeout.
+            # Dropped: kafka-python's exit handler printed tracebacks closing a producer
+            # that still held the record, and an idempotent one whose request timed out
+            # can send nothing more (docs/producers.md).
             close_producer(self._producer, timeout_s=0)
             self._producer = None
             raise BrokerUnavailableError(
