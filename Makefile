@@ -13,6 +13,9 @@ export DS_BUILD_OPS := 0
 export DS_ACCELERATOR := cpu
 export WANDB_MODE ?= offline
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# pip's wheel cache would keep a second, compressed copy of torch and its CUDA libraries
+# (~3 GB) that no later step reads: the engine's venv links the project venv's torch.
+export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: install bytecode kafka-jars engine demo demo-simulate test test-gpu test-fast lint bench clean
 
@@ -40,9 +43,10 @@ bytecode: install
 kafka-jars:
 	sh deploy/kafka/fetch.sh
 
-# The vLLM CPU engine lives in its own venv (its pins clash with the gateway's).
-engine:
-	PYTHON=$(PYTHON) sh deploy/engine/install.sh $(ENGINE_VENV)
+# The vLLM CPU engine lives in its own venv (its pins clash with the gateway's), with hard
+# links to the project venv's torch rather than a second copy.
+engine: install
+	PYTHON=$(PYTHON) TORCH_FROM=$(VENV) sh deploy/engine/install.sh $(ENGINE_VENV)
 
 demo: install bytecode engine
 	$(VENV)/bin/rolloutlake demo
