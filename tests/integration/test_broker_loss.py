@@ -333,6 +333,83 @@ def test_a_decision_stuck_on_a_dead_broker_stops_the_stage_after_the_broker_time
         stage.close(timeout_s=1.0)
 
 
+class _PausesTheBrokerOnceArchived(Lake):
+    """A lake that stops the broker (SIGSTOP: it keeps its data) right after the first
+    commit of events, before the archiver publishes that poll's decisions."""
+
+    def __init__(self, root: str, broker: EmbeddedBroker):
+        super().__init__(root)
+        self.broker = broker
+        self.paused = threading.Event()
+
+    def append(self, table: str, rows: Any, marks: Any = ()) -> Any:
+        version = super().append(table, rows, marks)
+        if table == "events" and not self.paused.is_set():
+            assert self.broker.process is not None
+            os.kill(self.broker.process.pid, signal.SIGSTOP)
+            self.paused.set()
+        return version
+
+
+def _decisions(lake: str) -> list[tuple]:
+    return sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
+                  for r in rows(lake, "groups", "r"))
+
+
+def _steps(lake: str) -> list[tuple]:
+    return sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
+                  for r in rows(lake, "steps", "r"))
+
+
+def test_a_stage_stopped_on_an_untaken_decision_restarts_with_what_it_had_not_sent(
+        own_broker, tmp_path):
+    """The broker stops answering once a poll's events are archived, so that poll's
+    decisions are not acknowledged: the stage stops (before anything after them is
+    committed), and a restart in the same consumer group, the broker back, ends with the
+    tables of an uninterrupted run. The broker may still take the first sends once it
+    wakes, so the restart's decisions can be a second copy of some."""
+    lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "untaken.")
+    publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
+    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
+                             broker_timeout_s=20, max_poll_records=3,
+                             consumer_group="untaken.restarted")
+    stage = GroupStage(config, Lake(lake))
+    archive = _PausesTheBrokerOnceArchived(lake, own_broker)
+    archive.after_commit = stage.archive_lake.after_commit
+    stage.archive_lake = archive
+    failures: list[BaseException] = []
+
+    def poll() -> None:
+        try:
+            while True:
+                stage.poll_once()
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            failures.append(error)
+
+    polling = threading.Thread(target=poll, daemon=True)
+    polling.start()
+    try:
+        polling.join(90)
+    finally:
+        if archive.paused.is_set():
+            os.kill(own_broker.process.pid, signal.SIGCONT)
+    assert not polling.is_alive(), "the stage went on past decisions the broker did not take"
+    stage.close(timeout_s=2.0)
+    assert [type(error) for error in failures] == [BrokerUnavailableError], failures
+    assert re.match(f"groups stage: decisions not acknowledged by the broker at "
+                    f"{re.escape(own_broker.bootstrap_servers)}(: | within 20 s;)",
+                    str(failures[0])), failures
+
+    restarted = run_processor(kafka, lake, consumer_group="untaken.restarted")
+    assert not restarted.errors
+    run_processor(kafka, reference, consumer_group="untaken.reference")
+    assert [d[:3] for d in _decisions(reference)] == [(i, "kept", None) for i in range(6)]
+    assert _decisions(lake) == _decisions(reference)
+    assert _steps(lake) == _steps(reference)
+    assert len(_steps(reference)) == 6
+
+
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
     lake, status_dir = str(tmp_path / "lake"), tmp_path / "status"
     kafka = ordered_kafka(own_broker.bootstrap_servers, "k.")
