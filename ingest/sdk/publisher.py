@@ -73,7 +73,8 @@ class RolloutPublisher:
             raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
         self._pending.append(future)
         if len(self._pending) > 10000:
-            self._pending = [f for f in self._pending if not f.is_done]
+            # A failed send stays until a flush reports it.
+            self._pending = [f for f in self._pending if not f.succeeded()]
         return future
 
     def flush(self, timeout_s: float | None = 30.0) -> None:

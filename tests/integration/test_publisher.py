@@ -8,9 +8,12 @@ import time
 
 import orjson
 import pytest
+from kafka.errors import KafkaTimeoutError
+from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
+from kafka.structs import TopicPartition
 
 from ingest.io.broker import EmbeddedBroker, free_port
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import BrokerUnavailableError, EventTooLargeError, EventValidationError
 from schemas.events import decode_event
@@ -80,3 +83,26 @@ def test_closing_on_a_dead_broker_reports_the_unsent_events_and_returns():
         assert time.monotonic() - closing < 60
     finally:
         broker.stop()
+
+
+def test_a_failed_send_is_reported_by_the_next_flush_however_many_sends_follow(kafka):
+    """Past 10,000 tracked sends the publisher forgets those that completed. It forgot the
+    failed ones too, and the flush after them passed though an event was never published.
+    The failure stands for a record kafka-python gave up (its delivery timeout); the
+    10,001 sends after it are real."""
+    pub = RolloutPublisher(kafka)
+    try:
+        given_up = FutureProduceResult(TopicPartition(kafka.topics.events, 0))
+        pub._pending.append(FutureRecordMetadata(given_up, 0, -1, None, 1, 1, -1))
+        given_up.failure(KafkaTimeoutError("Expiring 1 record(s): delivery timeout"))
+        for index in range(10_001):
+            pub.send_raw(kafka.topics.events, b"k", str(index).encode())
+        with pytest.raises(BrokerUnavailableError,
+                           match="events not acknowledged by the broker: KafkaTimeoutError"):
+            pub.flush()
+        pub.flush()  # reported once: the sends after it were all acknowledged
+    finally:
+        pub.close()
+    # Tansu under-reports the end offset of a multi-record batch: read until quiet too.
+    events = read_topics(kafka, [kafka.topics.events], what="test", timeout_s=60, quiet_ms=1000)
+    assert len(events) == 10_001
