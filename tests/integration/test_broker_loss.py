@@ -21,6 +21,7 @@ from ingest.core.decided import Opened
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import FreezeWatch
@@ -333,51 +334,28 @@ def test_a_decision_stuck_on_a_dead_broker_stops_the_stage_after_the_broker_time
         stage.close(timeout_s=1.0)
 
 
-class _PausesTheBrokerOnceArchived(Lake):
-    """A lake that stops the broker (SIGSTOP: it keeps its data) right after the first
-    commit of events, before the archiver publishes that poll's decisions."""
+class _PausesTheBrokerAfterCommit(Lake):
+    """A lake that stops the broker (SIGSTOP: it keeps its data) right after its first
+    commit to `table`, before the stage sends what follows that commit."""
 
-    def __init__(self, root: str, broker: EmbeddedBroker):
+    def __init__(self, root: str, broker: EmbeddedBroker, table: str):
         super().__init__(root)
-        self.broker = broker
+        self.broker, self.table = broker, table
         self.paused = threading.Event()
 
     def append(self, table: str, rows: Any, marks: Any = ()) -> Any:
         version = super().append(table, rows, marks)
-        if table == "events" and not self.paused.is_set():
+        if table == self.table and not self.paused.is_set():
             assert self.broker.process is not None
             os.kill(self.broker.process.pid, signal.SIGSTOP)
             self.paused.set()
         return version
 
 
-def _decisions(lake: str) -> list[tuple]:
-    return sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
-                  for r in rows(lake, "groups", "r"))
-
-
-def _steps(lake: str) -> list[tuple]:
-    return sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
-                  for r in rows(lake, "steps", "r"))
-
-
-def test_a_stage_stopped_on_an_untaken_decision_restarts_with_what_it_had_not_sent(
-        own_broker, tmp_path):
-    """The broker stops answering once a poll's events are archived, so that poll's
-    decisions are not acknowledged: the stage stops (before anything after them is
-    committed), and a restart in the same consumer group, the broker back, ends with the
-    tables of an uninterrupted run. The broker may still take the first sends once it
-    wakes, so the restart's decisions can be a second copy of some."""
-    lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
-    kafka = ordered_kafka(own_broker.bootstrap_servers, "untaken.")
-    publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
-    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
-                             broker_timeout_s=20, max_poll_records=3,
-                             consumer_group="untaken.restarted")
-    stage = GroupStage(config, Lake(lake))
-    archive = _PausesTheBrokerOnceArchived(lake, own_broker)
-    archive.after_commit = stage.archive_lake.after_commit
-    stage.archive_lake = archive
+def _stops_on_the_paused_broker(stage: GroupStage | BatchStage,
+                                paused: _PausesTheBrokerAfterCommit) -> BaseException:
+    """Poll `stage` until it raises, the broker woken up again after at most 90 s; what it
+    raised."""
     failures: list[BaseException] = []
 
     def poll() -> None:
@@ -392,22 +370,82 @@ def test_a_stage_stopped_on_an_untaken_decision_restarts_with_what_it_had_not_se
     try:
         polling.join(90)
     finally:
-        if archive.paused.is_set():
-            os.kill(own_broker.process.pid, signal.SIGCONT)
-    assert not polling.is_alive(), "the stage went on past decisions the broker did not take"
+        if paused.paused.is_set():
+            assert paused.broker.process is not None
+            os.kill(paused.broker.process.pid, signal.SIGCONT)
+    assert not polling.is_alive(), "the stage went on past sends the broker did not take"
     stage.close(timeout_s=2.0)
-    assert [type(error) for error in failures] == [BrokerUnavailableError], failures
-    assert re.match(f"groups stage: decisions not acknowledged by the broker at "
-                    f"{re.escape(own_broker.bootstrap_servers)}(: | within 20 s;)",
-                    str(failures[0])), failures
+    assert len(failures) == 1, failures
+    return failures[0]
 
-    restarted = run_processor(kafka, lake, consumer_group="untaken.restarted")
+
+def _assert_restart_matches_an_uninterrupted_run(kafka: KafkaSettings, lake: str,
+                                                 reference: str, group_id: str) -> None:
+    """Both stages restarted in `group_id` end with the tables of a run of their own."""
+    restarted = run_processor(kafka, lake, consumer_group=group_id)
     assert not restarted.errors
-    run_processor(kafka, reference, consumer_group="untaken.reference")
-    assert [d[:3] for d in _decisions(reference)] == [(i, "kept", None) for i in range(6)]
-    assert _decisions(lake) == _decisions(reference)
-    assert _steps(lake) == _steps(reference)
-    assert len(_steps(reference)) == 6
+    run_processor(kafka, reference, consumer_group=f"{group_id}-reference")
+    decisions = sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
+                       for r in rows(reference, "groups", "r"))
+    assert [d[:3] for d in decisions] == [(i, "kept", None) for i in range(6)]
+    assert sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
+                  for r in rows(lake, "groups", "r")) == decisions
+    steps = sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
+                   for r in rows(reference, "steps", "r"))
+    assert len(steps) == 6
+    assert sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
+                  for r in rows(lake, "steps", "r")) == steps
+
+
+def _not_acknowledged(what: str, role: str, broker: EmbeddedBroker) -> str:
+    """The error of a stage whose sends of `what` the (paused) broker did not take: the
+    producer gave them up (3 s), or stuck without giving up, the broker timeout (20 s)."""
+    return (f"{role} stage: {what} not acknowledged by the broker at "
+            f"{re.escape(broker.bootstrap_servers)}(: | within 20 s;)")
+
+
+def test_a_group_stage_stopped_on_untaken_decisions_restarts_as_an_uninterrupted_run(
+        own_broker, tmp_path):
+    """The broker stops answering once a poll's events are archived, so that poll's
+    decisions are not acknowledged: the stage stops (before anything after them is
+    committed), and a restart in the same consumer group, the broker back, ends with the
+    tables of an uninterrupted run. The broker may still take the first sends once it
+    wakes, so the restart's decisions can be a second copy of some."""
+    lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "untaken.")
+    publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
+    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
+                             broker_timeout_s=20, max_poll_records=3,
+                             consumer_group="untaken.restarted")
+    stage = GroupStage(config, Lake(lake))
+    archive = _PausesTheBrokerAfterCommit(lake, own_broker, "events")
+    archive.after_commit = stage.archive_lake.after_commit
+    stage.archive_lake = archive
+    error = _stops_on_the_paused_broker(stage, archive)
+    assert isinstance(error, BrokerUnavailableError), error
+    assert re.match(_not_acknowledged("decisions", "groups", own_broker), str(error)), error
+    _assert_restart_matches_an_uninterrupted_run(kafka, lake, reference, "untaken.restarted")
+
+
+def test_a_batch_stage_stopped_on_an_untaken_step_sealed_restarts_as_an_uninterrupted_run(
+        own_broker, tmp_path):
+    """The broker stops answering once the first step's `steps` row is written, so its
+    `step_sealed` is not acknowledged: the seal fails the stage's next poll, and the restart
+    (which does not send it again: the row is written) ends with the tables of an
+    uninterrupted run."""
+    lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "unsealed.")
+    publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
+    run_processor(kafka, lake, stages="groups", consumer_group="unsealed.restarted")
+    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
+                             broker_timeout_s=20, max_poll_records=3,
+                             consumer_group="unsealed.restarted")
+    steps = _PausesTheBrokerAfterCommit(lake, own_broker, "steps")
+    error = _stops_on_the_paused_broker(BatchStage(config, steps), steps)
+    assert isinstance(error, BrokerUnavailableError), error
+    assert re.match(_not_acknowledged("step_sealed messages", "batches", own_broker),
+                    str(error)), error
+    _assert_restart_matches_an_uninterrupted_run(kafka, lake, reference, "unsealed.restarted")
 
 
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
