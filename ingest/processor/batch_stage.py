@@ -440,7 +440,9 @@ class BatchStage(Stage):
             keep = [
                 (at := recorded.get(p)) is None or o > at for p, o in pending.sources[table]
             ]
-            rows = pa.concat_tables(parts).filter(pa.array(keep, pa.bool_()))
+            rows = pa.concat_tables(parts)
+            if not all(keep):  # only after a restart: a filter copies every token buffer
+                rows = rows.filter(pa.array(keep, pa.bool_()))
             if rows.num_rows:
                 version = self.lake.append(
                     table, rows,
