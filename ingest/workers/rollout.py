@@ -278,13 +278,18 @@ class RolloutWorker:
                 self._step = step
                 await self._wait_for_weights(step)
                 await self._run_step(step)
+                # The step's events acknowledged before the next step is generated: a broker
+                # that is gone, or a producer stuck since an outage (docs/producers.md), stops
+                # the worker within the flush's 30 s, not once every step sits unsent in its
+                # buffer and --seal-wait-s has passed without news.
+                self.publisher.flush()
                 log.info("%s", self.progress.line(step))
             await self._wait_for_seals()
         finally:
             if drawing is not None:
                 drawing.cancel()
                 await asyncio.gather(drawing, return_exceptions=True)  # leaves the last line
-            self.publisher.flush()
+        self.publisher.flush()
         return self.progress
 
     async def _check_engines(self) -> None:

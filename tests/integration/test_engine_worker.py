@@ -28,7 +28,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ingest.io.broker import free_port
+from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.lake import Lake
 from ingest.workers.engines import Generation, Sampling, make_engine
 from schemas.control import WeightsUpdated
@@ -49,6 +49,7 @@ from tests.support.gateway_support import (
     gateway_config,
     unique_run,
 )
+from tests.support.suite_kafka import SUITE_BROKER_START_S, suite_kafka
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.one_broker("the engine and the worker; their broker path is the SDK's")]
@@ -636,6 +637,37 @@ def test_engine_killed_mid_request_aborts_samples_and_leaves_no_process(
     while (left := {p for p in engine_processes if alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"engine processes outlived kill -9 of their parent: {sorted(left)}"
+
+
+def test_a_broker_killed_under_a_worker_stops_it_at_the_end_of_the_step(engine, tmp_path):
+    """The worker checks each step's events acknowledged before it generates the next. It
+    generated every step into its producer's buffer and waited --seal-wait-s without news
+    before its last flush said that nothing was acknowledged."""
+    run_id = "broker-dies"
+    dataset = write_dataset(tmp_path / "prompts.jsonl",
+                            [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(4)])
+    broker = EmbeddedBroker(free_port()).start(SUITE_BROKER_START_S)
+    worker = None
+    try:
+        kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="gone.")
+        kafka.ensure_topics()
+        worker = subprocess.Popen(
+            worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
+                           "--rollout-batch-size", "2", "--num-steps", "30",
+                           "--seal-wait-s", "900"),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for_event(kafka, run_id, "group_started", worker)
+        assert broker.process is not None
+        os.kill(broker.process.pid, signal.SIGKILL)
+        # The step's flush (30 s), then the publisher's close (30 s more).
+        _, err = worker.communicate(timeout=300)
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        broker.stop()
+    assert worker.returncode == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last == ("rolloutlake worker: events not acknowledged by the broker within 30 s"), last
 
 
 def _gateway_worker(engine, kafka, run_id: str, gateway_url: str, *extra: str) -> list[str]:
