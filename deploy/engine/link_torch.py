@@ -16,13 +16,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-
 
 def requirement_closure(root: str) -> list[metadata.Distribution]:
     """The installed distribution `root` and every one it requires here, with the extras
     those requirements ask for (torch's CUDA libraries are extras of `cuda-toolkit`)."""
+    try:
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+    except ImportError:  # a venv without packaging has pip's copy
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+        from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[no-redef]
     installed = {canonicalize_name(d.metadata["Name"]): d for d in metadata.distributions()}
     todo, seen = [(canonicalize_name(root), "")], set()
     while todo:
@@ -62,9 +65,11 @@ def main() -> None:
     target = Path(sys.argv[1])
     if not target.is_dir():
         sys.exit(f"link_torch: {target} is not a site-packages folder")
-    dists = requirement_closure("torch")
-    if not dists:
+    try:
+        metadata.distribution("torch")
+    except metadata.PackageNotFoundError:
         sys.exit(f"link_torch: torch is not installed in {sys.prefix}")
+    dists = requirement_closure("torch")
     files = sum(link_distribution(dist, target) for dist in dists)
     print(f"linked {len(dists)} distributions ({files} files) from {sys.prefix}")
 
