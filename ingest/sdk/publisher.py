@@ -97,8 +97,13 @@ class RolloutPublisher:
     def __enter__(self) -> RolloutPublisher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, BrokerUnavailableError):
+            # The broker did not take an event in time: a flush now would wait its 30 s for
+            # the same sends before raising the same error over this one.
+            close_producer(self._producer, timeout_s=0)
+        else:
+            self.close()
 
     # -- one method per event type -----------------------------------------------------
 

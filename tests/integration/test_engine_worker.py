@@ -659,8 +659,7 @@ def test_a_broker_killed_under_a_worker_stops_it_at_the_end_of_the_step(engine, 
         wait_for_event(kafka, run_id, "group_started", worker)
         assert broker.process is not None
         os.kill(broker.process.pid, signal.SIGKILL)
-        # The step's flush (30 s), then the publisher's close (30 s more).
-        _, err = worker.communicate(timeout=300)
+        _, err = worker.communicate(timeout=300)  # the step's flush gives up after 30 s
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

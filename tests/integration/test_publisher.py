@@ -85,6 +85,28 @@ def test_closing_on_a_dead_broker_reports_the_unsent_events_and_returns():
         broker.stop()
 
 
+def test_leaving_the_block_on_an_unacknowledged_event_does_not_wait_again():
+    """The flush that raised waited its 30 s; the close on the way out of the `with` block
+    waited another 30 s for the same sends and raised the same error over the first."""
+    broker = EmbeddedBroker(free_port()).start(SUITE_BROKER_START_S)
+    try:
+        settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="gone.")
+        with pytest.raises(BrokerUnavailableError) as raised:  # noqa: PT012 - the block's exit
+            with RolloutPublisher(settings) as pub:
+                pub.run_started("run-g", {"n_samples_per_prompt": 1, "rollout_batch_size": 1})
+                pub.flush()
+                os.kill(broker.process.pid, signal.SIGKILL)
+                pub.group_started("run-g", group_index=0, step=0, n_samples=1, prompt="hi")
+                try:
+                    pub.flush(timeout_s=2)
+                finally:
+                    leaving = time.monotonic()
+        assert time.monotonic() - leaving < 10
+        assert str(raised.value) == "events not acknowledged by the broker within 2 s"
+    finally:
+        broker.stop()
+
+
 def test_a_failed_send_is_reported_by_the_next_flush_however_many_sends_follow(kafka):
     """Past 10,000 tracked sends the publisher forgets those that completed. It forgot the
     failed ones too, and the flush after them passed though an event was never published.
