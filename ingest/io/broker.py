@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import logging
+import math
 import os
 import re
 import shutil
@@ -319,7 +320,7 @@ class EmbeddedBroker:
                 return
             time.sleep(0.1)
         raise BrokerStartError(
-            f"{self.name} did not answer on {self.bootstrap_servers} within {timeout_s:.0f} s"
+            f"{self.name} did not answer on {self.bootstrap_servers} within {timeout_s:g} s"
         )
 
     def _log_reason(self) -> str:
@@ -371,6 +372,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tansu (default: in memory, needs only pip) or kafka (Apache Kafka in KRaft mode, "
              f"needs Java 17+ and the jars of `{FETCH_KAFKA}`)",
     )
+    parser.add_argument(
+        "--start-timeout-s", type=_seconds, default=READY_TIMEOUT_S, metavar="S",
+        help=f"how long to wait for the broker to answer (default {READY_TIMEOUT_S:g}; a JVM "
+             "starting on a busy machine can take longer)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 class _StopRequested(Exception):
@@ -386,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _request_stop)
     signal.signal(signal.SIGTERM, _request_stop)
     try:
-        broker.start()
+        broker.start(args.start_timeout_s)
         storage = "memory storage" if args.engine == "tansu" else "temporary storage"
         print(f"{broker.name} broker ready at {broker.bootstrap_servers} ({storage}; "
               "Ctrl-C stops it)", flush=True)

@@ -18,12 +18,13 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port, port_is_free
 from tests.support.suite_kafka import SUITE_BROKER_START_S
 
-START_TIMEOUT_S = 90.0
+START_TIMEOUT_S = SUITE_BROKER_START_S + 30
 
 
 def _wrapper(engine: str, port: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ingest.cli", "broker", "--engine", engine, "--port", str(port)],
+        [sys.executable, "-m", "ingest.cli", "broker", "--engine", engine, "--port", str(port),
+         "--start-timeout-s", str(SUITE_BROKER_START_S)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})},
     )
@@ -193,6 +194,43 @@ def test_unknown_engine_is_one_line():
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("rolloutlake broker: error: argument --engine: invalid choice: "
                            "'redpanda' (choose from ")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_a_start_timeout_that_is_not_a_positive_number_is_one_line(value):
+    result = subprocess.run(
+        [sys.executable, "-m", "ingest.cli", "broker", "--start-timeout-s", value],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"rolloutlake broker: error: argument --start-timeout-s: {value!r} is not a positive "
+        "number of seconds (see --help)")
+
+
+def test_a_broker_slower_than_its_start_timeout_is_one_line_and_leaves_no_process():
+    """A JVM does not answer within half a second."""
+    port = free_port()
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "ingest.cli", "broker", "--engine", "kafka", "--port", str(port),
+         "--start-timeout-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == 2
+    assert err.strip() == (f"rolloutlake broker: Apache Kafka did not answer on "
+                           f"127.0.0.1:{port} within 0.5 s")
+    # The JVM it started is gone (its command line names the broker's work folder), and so
+    # is the folder.
+    workdir = f"{tempfile.gettempdir()}/rolloutlake-broker-{wrapper.pid}-"
+    assert not list(Path(tempfile.gettempdir()).glob(f"rolloutlake-broker-{wrapper.pid}-*"))
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if workdir in cmdline.read_bytes().decode(errors="replace"):
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert left == []
 
 
 def test_the_kafka_node_does_not_fence_its_own_broker_over_a_freeze():
