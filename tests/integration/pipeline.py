@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -11,6 +13,7 @@ import pyarrow.compute as pc
 
 from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
+from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
@@ -77,6 +80,14 @@ def rows(lake: Lake | str, table: str, run_id: str | None = None) -> list[dict[s
     return lake.read(table, filter=flt).to_pylist()
 
 
+def run_rows(lake: Lake | str, table: str, columns: list[str], run_id: str) -> list[tuple]:
+    """`columns` of the run's rows of `table` as sorted tuples: two lakes compare whatever
+    order their commits wrote the rows in."""
+    lake = lake if isinstance(lake, Lake) else Lake(lake)
+    read = lake.read(table, columns=columns, filter=pc.field("run_id") == run_id)
+    return sorted(zip(*(read.column(c).to_pylist() for c in columns), strict=True))
+
+
 def by_group(lake: Lake | str, run_id: str) -> dict[int, dict[str, Any]]:
     return {r["group_index"]: r for r in rows(lake, "groups", run_id)}
 
@@ -128,3 +139,22 @@ def poll_until_idle(stage: GroupStage, timeout_s: float = 60.0) -> None:
     while not stage.idle:
         assert time.monotonic() < deadline, "the stage did not become idle"
         stage.poll_once()
+
+
+def poll_in_thread(stage: GroupStage | BatchStage, until: Callable[[], bool]
+                   ) -> tuple[threading.Thread, list[BaseException]]:
+    """Poll `stage` on a thread of its own until `until()`, its first error (kept in the
+    returned list) or 120 s, so a stage that never gets there ends too."""
+    failures: list[BaseException] = []
+    gives_up_at = time.monotonic() + 120
+
+    def poll() -> None:
+        try:
+            while not until() and time.monotonic() < gives_up_at:
+                stage.poll_once()
+        except BaseException as error:
+            failures.append(error)
+
+    polling = threading.Thread(target=poll, daemon=True)
+    polling.start()
+    return polling, failures

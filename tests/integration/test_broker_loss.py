@@ -29,9 +29,11 @@ from schemas.errors import BrokerUnavailableError
 from tests.integration.pipeline import (
     event,
     ordered_kafka,
+    poll_in_thread,
     publish,
     rows,
     run_processor,
+    run_rows,
     sample,
     stuck_member,
 )
@@ -356,17 +358,7 @@ def _stops_on_the_paused_broker(stage: GroupStage | BatchStage,
                                 paused: _PausesTheBrokerAfterCommit) -> BaseException:
     """Poll `stage` until it raises, the broker woken up again after at most 90 s; what it
     raised."""
-    failures: list[BaseException] = []
-
-    def poll() -> None:
-        try:
-            while True:
-                stage.poll_once()
-        except BaseException as error:  # noqa: BLE001 - the test reads it
-            failures.append(error)
-
-    polling = threading.Thread(target=poll, daemon=True)
-    polling.start()
+    polling, failures = poll_in_thread(stage, lambda: False)
     try:
         polling.join(90)
     finally:
@@ -385,16 +377,13 @@ def _assert_restart_matches_an_uninterrupted_run(kafka: KafkaSettings, lake: str
     restarted = run_processor(kafka, lake, consumer_group=group_id)
     assert not restarted.errors
     run_processor(kafka, reference, consumer_group=f"{group_id}-reference")
-    decisions = sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
-                       for r in rows(reference, "groups", "r"))
-    assert [d[:3] for d in decisions] == [(i, "kept", None) for i in range(6)]
-    assert sorted((r["group_index"], r["decision"], r["reason"], r["batch_step"])
-                  for r in rows(lake, "groups", "r")) == decisions
-    steps = sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
-                   for r in rows(reference, "steps", "r"))
-    assert len(steps) == 6
-    assert sorted((r["step"], r["n_groups"], r["n_samples"], r["content_sha256"])
-                  for r in rows(lake, "steps", "r")) == steps
+    decisions = ["group_index", "decision", "reason", "batch_step"]
+    decided = run_rows(reference, "groups", decisions, "r")
+    assert [d[:3] for d in decided] == [(i, "kept", None) for i in range(6)]
+    assert run_rows(lake, "groups", decisions, "r") == decided
+    steps = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(run_rows(reference, "steps", steps, "r")) == 6
+    assert run_rows(lake, "steps", steps, "r") == run_rows(reference, "steps", steps, "r")
 
 
 def _not_acknowledged(what: str, role: str, broker: EmbeddedBroker) -> str:

@@ -7,7 +7,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import orjson
 import pyarrow as pa
@@ -31,10 +30,12 @@ from schemas.tables import BATCH_STATE
 from tests.integration.pipeline import (
     event,
     ordered_kafka,
+    poll_in_thread,
     poll_until_idle,
     publish,
     rows,
     run_processor,
+    run_rows,
     sample,
 )
 from tests.support.suite_kafka import suite_kafka
@@ -61,9 +62,8 @@ def _publish_groups(kafka: KafkaSettings, groups: list, *, with_run: bool) -> No
                              orjson.dumps(body))
 
 
-def _table(lake: Lake, name: str, columns: list[str], run_id: str = SIM.run_id) -> list[tuple]:
-    table = lake.read(name, columns=columns, filter=pc.field("run_id") == run_id)
-    return sorted(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
+    return run_rows(lake, name, columns, SIM.run_id)
 
 
 def _batch_stage(processor) -> BatchStage:
@@ -257,18 +257,18 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
     assert _batch_stage(second).resumed_from == {0: cut + 1}
     ref, lake = Lake(reference), Lake(lake_root)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
-    assert len(_table(ref, "steps", steps, HELD.run_id)) == HELD.steps
-    assert _table(lake, "steps", steps, HELD.run_id) == _table(ref, "steps", steps, HELD.run_id)
+    assert len(run_rows(ref, "steps", steps, HELD.run_id)) == HELD.steps
+    assert run_rows(lake, "steps", steps, HELD.run_id) == run_rows(ref, "steps", steps, HELD.run_id)
     decisions = ["group_index", "decision", "reason", "batch_step"]
-    assert any(r[1] == "surplus" for r in _table(ref, "groups", decisions, HELD.run_id))
-    assert (_table(lake, "groups", decisions, HELD.run_id)
-            == _table(ref, "groups", decisions, HELD.run_id))
+    assert any(r[1] == "surplus" for r in run_rows(ref, "groups", decisions, HELD.run_id))
+    assert (run_rows(lake, "groups", decisions, HELD.run_id)
+            == run_rows(ref, "groups", decisions, HELD.run_id))
     fragments = ["group_index", "rollout_id", "fragment_index", "decision"]
-    assert (_table(lake, "samples", fragments, HELD.run_id)
-            == _table(ref, "samples", fragments, HELD.run_id))
+    assert (run_rows(lake, "samples", fragments, HELD.run_id)
+            == run_rows(ref, "samples", fragments, HELD.run_id))
     metrics = ["step", "key", "value"]
-    assert (_table(lake, "step_metrics", metrics, HELD.run_id)
-            == _table(ref, "step_metrics", metrics, HELD.run_id))
+    assert (run_rows(lake, "step_metrics", metrics, HELD.run_id)
+            == run_rows(ref, "step_metrics", metrics, HELD.run_id))
 
 
 def test_groups_opened_before_their_run_started_outlive_a_restart(broker, tmp_path):
@@ -347,25 +347,6 @@ class _FirstCommitHangs(Lake):
         return super().append(table, rows, marks)
 
 
-def _poll_in_thread(stage: GroupStage | BatchStage, until: Callable[[], bool]
-                    ) -> tuple[threading.Thread, list[BaseException]]:
-    """Poll `stage` on a thread of its own until `until()`, its first error (kept in the
-    returned list) or 120 s, so a stage that never gets there ends too."""
-    failures: list[BaseException] = []
-    gives_up_at = time.monotonic() + 120
-
-    def poll() -> None:
-        try:
-            while not until() and time.monotonic() < gives_up_at:
-                stage.poll_once()
-        except BaseException as error:
-            failures.append(error)
-
-    polling = threading.Thread(target=poll, daemon=True)
-    polling.start()
-    return polling, failures
-
-
 @pytest.mark.parametrize("snapshot_every", [7, 100_000], ids=["snapshots due", "seals only"])
 def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
         broker, tmp_path, snapshot_every):
@@ -384,7 +365,7 @@ def test_a_failed_seal_stops_the_stage_and_a_restart_writes_what_it_lost(
                              snapshot_every=snapshot_every, max_poll_records=10)
     lake = _FirstCommitHangs(lake_root, "training_batches", fails=True)
     stage = BatchStage(config, lake)
-    polling, failures = _poll_in_thread(stage, lambda: False)
+    polling, failures = poll_in_thread(stage, lambda: False)
     deadline = time.monotonic() + 60
     while not (lake.hanging.is_set() and stage.sealing is not None):  # the first half's steps
         assert time.monotonic() < deadline and polling.is_alive(), "nothing was sealed"
@@ -460,7 +441,7 @@ def test_a_decision_goes_out_only_once_its_events_are_archived_while_the_stage_r
     def read() -> int:
         return max((record.offset for record in stage.last_records.values()), default=-1)
 
-    polling, failures = _poll_in_thread(stage, lambda: archive.release.is_set() and stage.idle)
+    polling, failures = poll_in_thread(stage, lambda: archive.release.is_set() and stage.idle)
     assert archive.hanging.wait(timeout=60), "nothing was archived"
     deadline = time.monotonic() + 30
     while read() <= archive.hung_up_to:  # the next poll is read and assembled meanwhile
@@ -492,7 +473,7 @@ def test_a_failed_archive_commit_stops_the_stage_and_a_restart_archives_what_it_
     _publish_groups(kafka, groups[:half], with_run=True)
     archive = _FirstCommitHangs(lake_root, "events", fails=True)
     stage = _archiving_stage(kafka, lake_root, archive)
-    polling, failures = _poll_in_thread(stage, lambda: False)
+    polling, failures = poll_in_thread(stage, lambda: False)
     assert archive.hanging.wait(timeout=60), "nothing was archived"
     archive.release.set()
     polling.join(timeout=60)

@@ -16,7 +16,6 @@ from pathlib import Path
 import boto3
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from gateway.datasets import DatasetOptions, DatasetStore
@@ -27,7 +26,7 @@ from ingest.io.lake import Lake, TxnMark
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import STEP_METRICS
-from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
+from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor, run_rows
 from tests.support.engine_server import ROOT
 
 pytestmark = pytest.mark.one_broker("the object store's commits; the broker path is tested on both engines elsewhere")
@@ -142,8 +141,7 @@ def _tails(*logs: Path) -> str:
 
 
 def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
-    table = lake.read(name, columns=columns, filter=pc.field("run_id") == SIM.run_id)
-    return sorted(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+    return run_rows(lake, name, columns, SIM.run_id)
 
 
 @pytest.mark.slow

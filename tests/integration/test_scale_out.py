@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import orjson
-import pyarrow.compute as pc
 import pytest
 
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
@@ -20,7 +19,7 @@ from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
-from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor
+from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor, run_rows
 from tests.support.suite_kafka import suite_kafka
 
 # Exactly `rollout_batch_size` kept groups per step (no surplus) and no aborts: which
@@ -71,8 +70,7 @@ def _wait(condition, what: str, timeout_s: float, *processes: subprocess.Popen) 
 
 
 def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
-    table = lake.read(name, columns=columns, filter=pc.field("run_id") == SIM.run_id)
-    return sorted(zip(*(table.column(c).to_pylist() for c in columns), strict=True))
+    return run_rows(lake, name, columns, SIM.run_id)
 
 
 @pytest.mark.slow
