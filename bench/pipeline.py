@@ -1,7 +1,7 @@
 """Pipeline throughput and latency, side by side with bare Kafka and JSONL, in one run.
 
     .venv/bin/python bench/pipeline.py [--steps 4] [--response-len 2048] [--latency-steps 6]
-    .venv/bin/python bench/pipeline.py --preloaded-only   # only section 5
+    .venv/bin/python bench/pipeline.py --preloaded-only [--before TREE]   # only section 6
 
 One simulated stream (DAPO-like groups, log-normal responses of ~2k tokens with log-probs)
 goes through four paths on this machine, one after the other:
@@ -21,7 +21,8 @@ goes through four paths on this machine, one after the other:
      stage joining its group to the last `steps` row (that run's own start-up left out) and
      all in from the spawn; and the bare cost of the processor's two Kafka hops (the
      compact events read, parsed and forwarded a group per message, read again in a second
-     process).
+     process). With `--before TREE` the compact processor of another source tree (e.g. an
+     older commit exported with `git archive`) runs beside this one's, interleaved.
 """
 
 from __future__ import annotations
@@ -109,12 +110,14 @@ def bench_bare_kafka(kafka: KafkaSettings, groups: list[list[bytes]]) -> float:
 
 
 def _spawn(kafka: KafkaSettings, lake: str, idle_s: float = 10.0,
-           flags: tuple[str, ...] = (), stderr: Any = subprocess.DEVNULL) -> subprocess.Popen:
+           flags: tuple[str, ...] = (), stderr: Any = subprocess.DEVNULL,
+           tree: Path | None = None) -> subprocess.Popen:
+    # -m puts the working directory first on sys.path: `tree`'s own packages load.
     return subprocess.Popen(
         [sys.executable, "-m", "ingest.cli", "process", "--bootstrap-servers",
          kafka.bootstrap_servers, "--lake", lake, "--topic-prefix", kafka.topic_prefix,
          "--event-partitions", "1", "--until-idle", str(idle_s), *flags],
-        stderr=stderr,
+        stderr=stderr, cwd=tree,
     )
 
 
@@ -246,7 +249,8 @@ def commits(table: Path) -> list[tuple[float, list[str], dict[str, int]]]:
 
 
 def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
-                            expect_steps: int, flags: tuple[str, ...] = ()) -> tuple[float, float]:
+                            expect_steps: int, flags: tuple[str, ...] = (),
+                            tree: Path | None = None) -> tuple[float, float]:
     """Seconds from spawning `rolloutlake process` to the commit of the last `steps` row
     over the pre-loaded topic, and from its group stage joining its group (the start-up,
     imports and join, of this very run left out) to that commit.
@@ -256,7 +260,7 @@ def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
     """
     with tempfile.TemporaryFile("w+") as log:
         wall = time.time()
-        processor = _spawn(kafka, lake_root, idle_s=2.0, flags=flags, stderr=log)
+        processor = _spawn(kafka, lake_root, idle_s=2.0, flags=flags, stderr=log, tree=tree)
         processor.wait(timeout=300)
         log.seek(0)
         text = log.read()
@@ -271,14 +275,22 @@ def bench_process_preloaded(kafka: KafkaSettings, run_id: str, lake_root: str,
     return last - wall, last - joined
 
 
-# Each processor path of the pre-loaded section: (the form of its stream, its flags).
-PRELOADED_PATHS = {"JSON lists": ("JSON lists", ()), "compact": ("compact", ()),
-                   "compact, 1 process": ("compact", ("--single-process",))}
+# Each processor path of the pre-loaded section: (the form of its stream, its flags, the
+# source tree it runs from: None for this checkout).
+PRELOADED_PATHS: dict[str, tuple[str, tuple[str, ...], Path | None]] = {
+    "JSON lists": ("JSON lists", (), None), "compact": ("compact", (), None),
+    "compact, 1 process": ("compact", ("--single-process",), None)}
 
 
-def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int) -> None:
+def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int,
+                      before: Path | None = None) -> None:
     """Each path `repeat` times, interleaved; the best time of each counts (the machine is
-    shared: the best is the run least disturbed by others)."""
+    shared: the best is the run least disturbed by others). With `before` (another source
+    tree, e.g. an older commit exported with `git archive`), the compact path runs from it
+    too, so a change is measured against the code before it in the same run."""
+    paths = dict(PRELOADED_PATHS)
+    if before is not None:
+        paths["compact, before"] = ("compact", (), before)
     forms = {"JSON lists": stream(sim.model_copy(update={"compact_arrays": False})),
              "compact": stream(sim)}
     tokens, samples = response_tokens(forms["compact"])
@@ -293,10 +305,10 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
             times.setdefault(f"{form} ceiling", []).append(bench_consume_parse(topics[form]))
         times.setdefault("two hops", []).append(
             bench_two_hops(topics["compact"], len(forms["compact"]), str(rep)))
-        for path, (form, flags) in PRELOADED_PATHS.items():
+        for path, (form, flags, tree) in paths.items():
             lake = folder / f"lake-{path.replace(' ', '-').replace(',', '')}-{rep}"
             total, processing = bench_process_preloaded(topics[form], sim.run_id, str(lake),
-                                                        sim.steps, flags)
+                                                        sim.steps, flags, tree)
             times.setdefault(f"{path} all in", []).append(total)
             times.setdefault(path, []).append(processing)
     print(f"\npre-loaded stream, {tokens:,} response tokens ({samples} samples), best of "
@@ -305,7 +317,7 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
     print(f"{'path':<20}{'MiB':>6}{'ceiling s':>11}{'ceiling tok/s':>15}{'process s':>11}"
           f"{'process tok/s':>15}{'vs ceiling':>12}{'all in s':>10}{'all in tok/s':>14}")
     best = {}
-    for path, (form, _) in PRELOADED_PATHS.items():
+    for path, (form, _, _) in paths.items():
         ceiling = min(times[f"{form} ceiling"])
         seconds = best[path] = min(times[path])
         all_in = min(times[f"{path} all in"])
@@ -319,6 +331,9 @@ def preloaded_section(settings, sim: SimulationConfig, folder: Path, repeat: int
     print(f"compact vs JSON lists, process: {best['JSON lists'] / best['compact']:.2f}x faster; "
           f"compact process vs the JSON-list ceiling: {lists_ceiling / best['compact']:.2f}x; "
           f"two processes vs one: {best['compact, 1 process'] / best['compact']:.2f}x faster")
+    if before is not None:
+        print(f"compact, this tree vs {before}: {best['compact, before'] / best['compact']:.2f}x "
+              "faster from the join")
 
 
 class Watcher(threading.Thread):
@@ -408,9 +423,11 @@ def main() -> None:
     parser.add_argument("--response-len", type=float, default=2048.0)
     parser.add_argument("--latency-steps", type=int, default=6)
     parser.add_argument("--preloaded-only", action="store_true",
-                        help="run only the pre-loaded section (5)")
+                        help="run only the pre-loaded section (6)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of each path in the pre-loaded section (the best counts)")
+    parser.add_argument("--before", type=Path, default=None, metavar="TREE",
+                        help="another source tree whose processor runs the compact path too")
     args = parser.parse_args()
     sim = SimulationConfig(run_id="bench", steps=args.steps, rollout_batch_size=32, n_samples=8,
                            response_len_mean=args.response_len, prompt_len=256, mode="open",
@@ -427,7 +444,7 @@ def main() -> None:
                                  event_partitions=1, decision_partitions=1)
 
         if args.preloaded_only:
-            preloaded_section(settings, sim, folder, args.repeat)
+            preloaded_section(settings, sim, folder, args.repeat, args.before)
             return
 
         # what users do today: JSON lists
