@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ingest.commands.simulate import SimulationConfig, generate_group  # noqa: E402
 from ingest.core.assembly import GroupBuilder  # noqa: E402
+from ingest.io.allocator import reuse_large_buffers  # noqa: E402
 from schemas.events import TRAJECTORY_EVENT_TYPES, decode_event  # noqa: E402
 from schemas.token_arrays import TOKEN_IDS, decode_token_array  # noqa: E402
 
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--response-len", type=float, default=2048.0)
     args = parser.parse_args()
+    reuse_large_buffers()  # as the processor runs
     started, sample = template(args.response_len)
     hold_undecided(1, started, sample)  # warm-up: lazily built validators, caches
     print(f"{'undecided groups':>16}{'tokens/group':>14}{'Arrow MiB':>11}{'RSS growth MiB':>16}"

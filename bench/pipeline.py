@@ -47,6 +47,7 @@ from scratch import scratch_folder
 
 from ingest.commands.replay import archived_config, replay_run, write_effects
 from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.io.allocator import reuse_large_buffers
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
@@ -429,6 +430,9 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=None, metavar="TREE",
                         help="another source tree whose processor runs the compact path too")
     args = parser.parse_args()
+    # The bare paths read with the processor's allocator settings: a ceiling is what reading
+    # costs at best (the default allocator faults every fetch response in again).
+    reuse_large_buffers()
     sim = SimulationConfig(run_id="bench", steps=args.steps, rollout_batch_size=32, n_samples=8,
                            response_len_mean=args.response_len, prompt_len=256, mode="open",
                            duplicate_rate=0.0, seed=3)

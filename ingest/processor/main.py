@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from ingest.io.allocator import reuse_large_buffers
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
@@ -53,6 +54,7 @@ class Processor:
     """Both stages, each polled by its own thread; `run` returns when stopped or idle."""
 
     def __init__(self, config: ProcessorConfig):
+        reuse_large_buffers()  # both processes handle megabyte buffers by the thousand
         self.config = config
         self.lake = Lake(config.lake)
         for table in ("events", "groups", "samples", "training_batches", "steps",
