@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Annotated, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pa_fs
 import pyarrow.parquet as pq
 from deltalake import (
@@ -45,9 +45,22 @@ from pydantic_core import PydanticCustomError
 from schemas.errors import ConfigError
 from schemas.tables import TABLES, TableSpec
 
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+
 log = logging.getLogger(__name__)
 
 MAX_COMMIT_RETRIES = 10
+
+
+def pyarrow_dataset() -> ModuleType:
+    """`pyarrow.dataset`, imported on first use: it imports pandas, 0.25 s of the
+    processor's 0.7 s of imports, which a stage's first table read does while its
+    consumer-group join waits on the broker (processor/stage.py) instead of before the
+    join starts. Every table read imports it (deltalake's `to_pyarrow_dataset`)."""
+    import pyarrow.dataset
+
+    return pyarrow.dataset
 
 
 # delta-rs turns a lake root into a URL: `^ [ ] |` make it panic, `\` and `%xx` make it
@@ -268,8 +281,8 @@ class Lake:
         now = int(datetime.now(UTC).timestamp() * 1000)
         actions: list[AddAction | RemoveAction] = []
         for partition_values, small in bins:
-            rows = ds.dataset([f["path"] for f in small], schema=file_schema, format="parquet",
-                              filesystem=files).to_table()
+            rows = pyarrow_dataset().dataset([f["path"] for f in small], schema=file_schema,
+                                             format="parquet", filesystem=files).to_table()
             path = posixpath.join(posixpath.dirname(small[0]["path"]),
                                   f"part-{uuid.uuid4()}-compacted.snappy.parquet")
             pq.write_table(rows, path, filesystem=files, use_dictionary=plain,

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from ingest.io.lake import Lake
+from ingest.io.lake import Lake, pyarrow_dataset
 
 
 class TableTail:
@@ -65,8 +64,8 @@ class TableTail:
             return None
         if self._filesystem is None:
             self._filesystem = self._lake.table_filesystem(self.table, dt)
-        files = ds.dataset(fresh, schema=self._file_schema, format="parquet",
-                           filesystem=self._filesystem)
+        files = pyarrow_dataset().dataset(fresh, schema=self._file_schema, format="parquet",
+                                          filesystem=self._filesystem)
         return files.to_table(columns=self.columns)
 
 

@@ -54,7 +54,8 @@ class BatchChild:
         self._send.close()
 
     def cancel(self) -> None:
-        """Stop a child that was never configured: it has only imported modules so far."""
+        """Stop the child: one never configured has only imported modules so far, and one
+        configured before its parent's own stage failed to build has nothing to finish."""
         atexit.unregister(self.cancel)
         self._send.close()
         self.process.kill()

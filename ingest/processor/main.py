@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ingest.io.allocator import reuse_large_buffers
 from ingest.io.lake import Lake
@@ -25,7 +25,7 @@ from ingest.processor.health import FreezeWatch, write_status
 from ingest.processor.launch import BatchChild, take_prestarted
 from ingest.processor.wandb_sink import follow_all_runs
 from schemas.config import add_config_flags, config_from_args
-from schemas.errors import RolloutlakeError
+from schemas.errors import ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,10 @@ def idle_for(stages: Sequence[GroupStage | BatchStage]) -> float:
 class Processor:
     """Both stages, each polled by its own thread; `run` returns when stopped or idle."""
 
-    def __init__(self, config: ProcessorConfig):
+    def __init__(self, config: ProcessorConfig,
+                 tables_ready: Callable[[], None] | None = None):
+        """`tables_ready` is called once every table and topic exists, before the stages
+        are built."""
         reuse_large_buffers()  # both processes handle megabyte buffers by the thousand
         self.config = config
         self.lake = Lake(config.lake)
@@ -61,6 +64,8 @@ class Processor:
                       "step_metrics", "dead_letters", "runs", "batch_state"):
             self.lake.ensure(table)
         config.kafka.ensure_topics()
+        if tables_ready is not None:
+            tables_ready()
         self.stop_event = threading.Event()
         self.stages: list[GroupStage | BatchStage] = []
         if config.stages in ("all", "groups"):
@@ -168,6 +173,11 @@ def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
             processor.drain()
         code = processor.run()
     except RolloutlakeError as err:
+        if isinstance(err, ConfigError):
+            # Flags the broker or the lake refuses are refused to the parent too, which
+            # joins its group at the same time, says it and stops this child: said here only
+            # if the parent has not within the grace.
+            time.sleep(CHILD_GRACE_S)
         print(f"rolloutlake process: {err}", file=sys.stderr, flush=True)
         sys.exit(CHILD_REPORTED)
     sys.exit(code)
@@ -177,14 +187,16 @@ def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
     """Group stage here, batch stage in a child process (`child`, when one was started
     already); returns the exit code."""
     child = child or BatchChild()
+    kafka_log_level = logging.getLogger("kafka").getEffectiveLevel()
     try:
         # The child writes the metrics and closes the last steps, so it runs the W&B sink.
-        groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}))
+        # It is configured once the tables exist (two processes creating one Delta table
+        # would race), and builds its stage, joining its group, while this one builds its own.
+        groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}),
+                           tables_ready=lambda: child.configure(config, kafka_log_level))
     except BaseException:
         child.cancel()
         raise
-    # Configured once the tables exist: two processes creating one Delta table would race.
-    child.configure(config, logging.getLogger("kafka").getEffectiveLevel())
     process = child.process
 
     def watch_child() -> None:

@@ -8,7 +8,9 @@ Delta, seeks) at the top of its next `poll_once`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, wait
 from typing import Any
 
 import pyarrow.compute as pc
@@ -55,6 +57,46 @@ STALL_REPORT_S = 10.0
 REJOIN_AFTER_S = 30.0
 
 
+class HeldRebalanceCallbacks(ConsumerRebalanceListener):
+    """A stage's rebalance listener while the stage is still being built.
+
+    kafka-python calls the listener of a join on its network thread: before the JoinGroup
+    (revoking what the member had, nothing at first) and once assigned, which can be
+    before the stage's subclass has its state. The calls are held, in order, until
+    `release` (the stage's first poll); from then on they go straight to the stage.
+    """
+
+    def __init__(self, stage: Stage):
+        self._stage = stage
+        self._lock = threading.Lock()
+        self._held: list[tuple[str, set[TopicPartition]]] | None = []
+        self.assigned = threading.Event()  # a join completed (its assignment may be empty)
+
+    def _call(self, name: str, partitions: set[TopicPartition]) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append((name, set(partitions)))
+                return
+        getattr(self._stage, name)(partitions)
+
+    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._call("on_partitions_revoked", revoked)
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._call("on_partitions_assigned", assigned)
+        self.assigned.set()
+
+    def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
+        self._call("on_partitions_lost", lost)
+
+    def release(self) -> None:
+        # Under the lock: a call that comes meanwhile waits, and follows the held ones.
+        with self._lock:
+            held, self._held = self._held or [], None
+            for name, partitions in held:
+                getattr(self._stage, name)(partitions)
+
+
 class TopicUnreadableError(RolloutlakeError):
     """A partition that could not be read to check it (`Stage.check_continuity`)."""
 
@@ -76,19 +118,11 @@ class Stage(ConsumerRebalanceListener):
         # more CPU on both stages than it saves on the wire.
         self.producer = config.kafka.producer(compression_type=None)
         self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        # The group stage, which archives run_started events, keeps the runs table.
-        self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
         self.group_id = f"{config.group_prefix}-{role}"
         self.health = StageHealth(role, self.group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
         self.topic = topic
         self.session_timeout_ms = config.session_timeout_ms or SESSION_TIMEOUTS_MS[0]
-        try:
-            self.consumer = self._member()
-        except RolloutlakeError:
-            self.runs.close()
-            self.producer.close()
-            raise
         self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.connections: set[Any] = set()  # the consumer's, as of the last poll
         self.freezes = FreezeWatch.freezes()  # as of the last poll
@@ -113,9 +147,58 @@ class Stage(ConsumerRebalanceListener):
         self.empty_polls = 0  # in a row
         self.unowned_polls = 0  # in a row, with an assigned partition not taken over
         self.stall_reported_at = 0
+        # The group's join is most of a start-up (Tansu holds a JoinGroup for half the
+        # session timeout): it starts now, on a thread of its own, and the rest of this
+        # stage (the runs, the subclass's state, the imports of its first table reads) is
+        # built while the broker holds it. The first `poll_once` takes its outcome.
+        self._held = HeldRebalanceCallbacks(self)
+        try:
+            self.consumer = self._member(self._held)
+        except RolloutlakeError:
+            self.producer.close()
+            raise
+        self._first_poll: Future[dict] | None = self._poll_ahead()
+        try:
+            # The group stage, which archives run_started events, keeps the runs table.
+            self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
+        except BaseException:
+            self._abandon_first_poll()
+            self.consumer.close()
+            self.producer.close()
+            raise
 
-    def _member(self) -> Any:
-        """A consumer subscribed to the stage's topic in its group, at `session_timeout_ms`."""
+    def _poll_ahead(self) -> Future[dict]:
+        """The stage's first polls, started now on a thread of its own: until its group's
+        join completes (the coordinator is found by a first short poll, which leaves the
+        join in flight; the next one waits for it), or for one join wait at most, after
+        which the stage's own polls go on, watching the broker and the join's time."""
+        first: Future[dict] = Future()
+
+        def poll() -> None:
+            deadline = time.monotonic() + self.session_timeout_ms / 1000
+            try:
+                polled: dict = {}
+                while (not polled and not self._held.assigned.is_set()
+                       and time.monotonic() < deadline):
+                    polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
+                                           join_wait_ms=self.session_timeout_ms)
+                first.set_result(polled)
+            except BaseException as err:  # the stage's thread raises it, as from its own poll
+                first.set_exception(err)
+
+        threading.Thread(target=poll, name=f"{self.health.role}-join", daemon=True).start()
+        return first
+
+    def _abandon_first_poll(self) -> None:
+        """Wait for a first poll the stage will not take (it stops or failed before), so
+        that its consumer can be closed: the consumer is not for two threads at once."""
+        first, self._first_poll = self._first_poll, None
+        if first is not None:
+            wait([first])
+
+    def _member(self, listener: ConsumerRebalanceListener) -> Any:
+        """A consumer subscribed to the stage's topic in its group, at `session_timeout_ms`,
+        with `listener` for its rebalances."""
         consumer = self.config.kafka.consumer(
             group_id=self.group_id,
             session_timeout_ms=self.session_timeout_ms,
@@ -123,7 +206,7 @@ class Stage(ConsumerRebalanceListener):
             max_poll_records=self.config.max_poll_records,
         )
         try:
-            subscribe_once_listed(consumer, self.topic, self, timeout_s=TOPIC_WAIT_S)
+            subscribe_once_listed(consumer, self.topic, listener, timeout_s=TOPIC_WAIT_S)
         except RolloutlakeError:
             consumer.close()
             raise
@@ -143,7 +226,7 @@ class Stage(ConsumerRebalanceListener):
                  self.health.role, self.session_timeout_ms, longer[0])
         self.consumer.close()
         self.session_timeout_ms = longer[0]
-        self.consumer = self._member()
+        self.consumer = self._member(self)
 
     def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.newly_assigned |= set(assigned)
@@ -163,9 +246,16 @@ class Stage(ConsumerRebalanceListener):
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
         try:
-            # A join gets up to the session timeout: Tansu answers it after half of that.
-            polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
-                                   join_wait_ms=self.session_timeout_ms)
+            if self._first_poll is not None:
+                first, self._first_poll = self._first_poll, None
+                try:
+                    polled = first.result()
+                finally:  # the stage is whole now: its callbacks can run
+                    self._held.release()
+            else:
+                # A join gets up to the session timeout: Tansu answers it after half of that.
+                polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
+                                       join_wait_ms=self.session_timeout_ms)
         except InvalidSessionTimeoutError:
             self._rejoin_with_longer_session_timeout()
             return 0
@@ -305,7 +395,7 @@ class Stage(ConsumerRebalanceListener):
         self.joined = False
         self.health.started_at = time.monotonic()  # --join-timeout-s counts from here
         self.health.state = "joining"  # the new member's partitions are logged once it joins
-        self.consumer = self._member()
+        self.consumer = self._member(self)
 
     def _check_caught_up(self) -> bool:
         """At most every CATCH_UP_CHECK_S: have the owned partitions been read to the end
@@ -491,6 +581,7 @@ class Stage(ConsumerRebalanceListener):
             # Only on the way out after an error: what was not sent is re-derived from the
             # lake on restart.
             log.info("%s stage: unsent messages dropped at exit", self.health.role)
+        self._abandon_first_poll()
         self.consumer.close(timeout_ms=timeout_ms)
         self.runs.close()
         self.compaction.close()

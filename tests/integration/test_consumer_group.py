@@ -82,6 +82,32 @@ class _Joins(logging.Handler):
         self.completed += record.getMessage().startswith("Successfully joined group")
 
 
+@pytest.mark.parametrize("stage_class", [GroupStage, BatchStage], ids=["groups", "batches"])
+def test_a_stage_joins_its_group_while_it_is_still_being_built(kafka, lake_root, stage_class):
+    """The join is most of a start-up (Tansu holds a JoinGroup for half the session
+    timeout): a stage starts it as soon as it has subscribed, on a thread of its own, and
+    builds the rest of itself meanwhile; its first poll takes the partitions over. (At a
+    session timeout both brokers accept: Apache Kafka refuses the 2 s a stage tries first.)"""
+    lake = _lake_with_every_table(lake_root)
+    stage = stage_class(ProcessorConfig(kafka=kafka, lake=lake_root, session_timeout_ms=6000),
+                        lake)
+    try:
+        topic_partitions = {tp.partition for tp in stage.consumer.assignment()}
+        deadline = time.monotonic() + 30
+        while not topic_partitions and time.monotonic() < deadline:  # no poll_once yet
+            time.sleep(0.05)
+            topic_partitions = {tp.partition for tp in stage.consumer.assignment()}
+        expected = set(range(kafka.event_partitions if stage_class is GroupStage
+                             else kafka.decision_partitions))
+        assert topic_partitions == expected
+        assert not stage.joined and not stage.owned  # held until the stage polls
+        stage.poll_once()
+        assert stage.joined
+        assert stage.owned == expected
+    finally:
+        stage.close()
+
+
 def test_a_join_that_completes_between_two_short_polls_is_kept(kafka):
     """A member whose polls are short beside the work between them, as a busy stage's
     are: kafka-python drops a join that completed outside a poll and joins again (half
