@@ -34,13 +34,13 @@ from pydantic import (
     model_validator,
 )
 
-from ingest.io.kafka_transport import read_in_chunks
+from ingest.io.kafka_transport import deliver_bytes_before_close
 from schemas.errors import BrokerUnavailableError, EventTooLargeError, RolloutlakeError
 from schemas.events import AnyEvent, RunStarted, encode_event, event_group_key
 
 log = logging.getLogger(__name__)
 
-read_in_chunks()  # every client is built through this module
+deliver_bytes_before_close()  # every client is built through this module
 
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 # Record batches carry headers and framing on top of the value.
