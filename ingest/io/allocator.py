@@ -6,8 +6,8 @@ milliseconds. glibc serves allocations over its mmap threshold (128 KiB at first
 as such buffers are freed, never past 32 MiB) with a fresh mmap, and returns heap memory
 over its trim threshold to the kernel: such a buffer is zero pages faulted in, one 4 KiB
 page at a time, each time. Reading the 122 MiB compact bench stream with kafka-python:
-0.53-0.61 CPU s by default, 0.31-0.36 s with the thresholds below (setting only one of
-them is slower than either: it switches off the other's adjustment).
+0.53-0.58 CPU s by default, 0.35-0.39 s with the thresholds below, four runs each
+(setting only one of them is slower than either: it switches off the other's adjustment).
 
 The cost is memory kept: up to TRIM_THRESHOLD_BYTES of freed heap stays with the process
 for reuse instead of going back to the kernel.
