@@ -92,11 +92,10 @@ def test_a_stage_joins_its_group_while_it_is_still_being_built(kafka, lake_root,
     stage = stage_class(ProcessorConfig(kafka=kafka, lake=lake_root, session_timeout_ms=6000),
                         lake)
     try:
-        topic_partitions = {tp.partition for tp in stage.consumer.assignment()}
         deadline = time.monotonic() + 30
-        while not topic_partitions and time.monotonic() < deadline:  # no poll_once yet
+        while (not (topic_partitions := {tp.partition for tp in stage.consumer.assignment()})
+               and time.monotonic() < deadline):  # no poll_once yet
             time.sleep(0.05)
-            topic_partitions = {tp.partition for tp in stage.consumer.assignment()}
         expected = set(range(kafka.event_partitions if stage_class is GroupStage
                              else kafka.decision_partitions))
         assert topic_partitions == expected
