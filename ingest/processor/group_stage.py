@@ -612,6 +612,8 @@ class GroupStage(Stage):
                     headers=[*encode_watermark(partition, *bound), self._sent_by]))
         if sent:
             self.await_sent(sent, "decisions")
+        if decisions:  # work for the batch stage, which idleness waits for (`idle_for`)
+            self.last_activity = time.monotonic()
 
     def _watermarks_due(self) -> list[tuple[int, tuple[int, int]]]:
         """(partition, bound) of each owned partition whose bound moved since the last

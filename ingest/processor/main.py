@@ -39,15 +39,22 @@ CLOSE_TIMEOUT_S = 5.0
 CHILD_REPORTED = 2  # exit code of a batch-stage child that printed its one-line error itself
 
 
-def idle_for(stages: Sequence[GroupStage | BatchStage]) -> float:
+def idle_for(stages: Sequence[GroupStage | BatchStage], read_since: float = 0.0) -> float:
     """Seconds since the last activity of any of `stages`, or 0 while one is not idle.
 
     `--until-idle` samples this: a stage busy for a moment (a watermark on its way out)
     does not start the count again, only new activity, such as records or a take-over, does.
+    Idle also needs every stage to have read its topics to end offsets measured after that
+    activity and after `read_since`: a batch stage whose last check came before the group
+    stage sent its last decisions counts as read to the end without them (a processor
+    once stopped with two steps of a backlog unsealed).
     """
     if not all(stage.idle for stage in stages):
         return 0.0
-    return time.monotonic() - max(stage.last_activity for stage in stages)
+    last = max([stage.last_activity for stage in stages], default=0.0)
+    if any(stage.caught_up_as_of < max(last, read_since) for stage in stages):
+        return 0.0
+    return time.monotonic() - last
 
 
 class Processor:
@@ -73,7 +80,7 @@ class Processor:
         if config.stages in ("all", "batches"):
             self.stages.append(BatchStage(config, Lake(config.lake)))
         self.errors: list[BaseException] = []
-        self.drain_deadline: float | None = None
+        self.drain_asked_at: float | None = None
         self.wandb_stop = threading.Event()
 
     def _loop(self, stage: GroupStage | BatchStage) -> None:
@@ -118,8 +125,11 @@ class Processor:
             if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
                 self.stop_event.set()
-            if self.drain_deadline is not None and (
-                idle >= DRAIN_IDLE_S or time.monotonic() > self.drain_deadline
+            if self.drain_asked_at is not None and (
+                # what was sent before the drain was asked for is read first
+                min(idle_for(self.stages, read_since=self.drain_asked_at),
+                    now - running_since) >= DRAIN_IDLE_S
+                or now > self.drain_asked_at + DRAIN_LIMIT_S
             ):
                 self.stop_event.set()
         for thread in threads:
@@ -150,8 +160,8 @@ class Processor:
 
     def drain(self, *_: object) -> None:
         """Finish what has arrived (until idle for a moment), then stop."""
-        if self.drain_deadline is None:
-            self.drain_deadline = time.monotonic() + DRAIN_LIMIT_S
+        if self.drain_asked_at is None:
+            self.drain_asked_at = time.monotonic()
 
 
 def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,

@@ -142,6 +142,9 @@ class Stage(ConsumerRebalanceListener):
         self.working = False
         # Owned partitions read up to the end offsets of the last check (_check_caught_up)
         self.caught_up = False
+        # When the end offsets `caught_up` was measured against were read: what another
+        # stage sent before then, this stage has read.
+        self.caught_up_as_of = 0.0
         self.end_checked_at = 0.0
         self.ends_checked: dict[TopicPartition, int] = {}  # end offsets at that check
         self.empty_polls = 0  # in a row
@@ -410,7 +413,7 @@ class Stage(ConsumerRebalanceListener):
         now = time.monotonic()
         if self.health.unreachable_since is not None or now - self.end_checked_at < CATCH_UP_CHECK_S:
             return False
-        self.end_checked_at = now
+        previous_at, self.end_checked_at = self.end_checked_at, now
         owned = [tp for tp in self.consumer.assignment() if tp.partition in self.owned]
         try:
             end = self.consumer.end_offsets(owned, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
@@ -422,9 +425,11 @@ class Stage(ConsumerRebalanceListener):
         # never stops growing (the group stage's watermarks on `rollout.decisions`) is never
         # read to its current end, but always to where it was half a second ago.
         target = {tp: self.ends_checked.get(tp, end[tp]) for tp in owned}
+        as_of = previous_at if any(tp in self.ends_checked for tp in owned) else now
         self.ends_checked = end
         behind = [tp for tp in owned if (fetch_position(self.consumer, tp) or 0) < target[tp]]
         self.caught_up = not behind and runs_read and others_read
+        self.caught_up_as_of = as_of
         polls = max(1, int(STALL_REPORT_S * 1000 / self.config.poll_timeout_ms))
         if not behind or self.empty_polls - self.stall_reported_at < polls:
             return False

@@ -24,6 +24,7 @@ from ingest.io import kafka as kafka_module
 from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor import stage as stage_module
+from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.launch import BatchChild
@@ -54,6 +55,39 @@ def test_a_backlog_longer_to_commit_than_the_idle_time_is_finished(broker, tmp_p
     lake_root = str(tmp_path / "lake")
     run_processor(kafka, lake_root, idle_s=0.05, max_poll_records=200)
     assert Lake(lake_root).read("steps", columns=["step"]).num_rows == sim.steps
+
+
+def test_a_batch_stage_read_to_the_end_before_the_last_decisions_were_sent_is_not_idle(
+        kafka, tmp_path):
+    """A stage is read to its end offsets as of its last check, and the batch stage's last
+    check can come before the group stage sent its last decisions: both stages then looked
+    idle, and a CI run's `--until-idle` processor stopped with two steps of its backlog
+    unsealed. Idleness counts only once each stage read to end offsets measured after the
+    last activity of either."""
+    publish(kafka, "late", {"n_samples_per_prompt": 1, "rollout_batch_size": 1},
+            complete_group("late"))
+    lake = Lake(str(tmp_path / "lake"))
+    config = ProcessorConfig(kafka=kafka, lake=lake.root)
+    batches = BatchStage(config, Lake(lake.root))
+    groups = None
+    try:
+        poll_until_idle(batches)  # read to the end: no decision yet
+        groups = GroupStage(config, Lake(lake.root))
+        poll_until_idle(groups)  # the group decided, its decision acknowledged
+        assert batches.idle  # as the processor's main thread sees it before the next check
+        assert idle_for([groups, batches]) == 0.0
+
+        deadline = time.monotonic() + 60
+        while idle_for([groups, batches]) == 0.0:
+            assert time.monotonic() < deadline, "the stages never became idle"
+            groups.poll_once()
+            batches.poll_once()
+        assert lake.read("steps", columns=["run_id", "step"]).to_pylist() == [
+            {"run_id": "late", "step": 0}]
+    finally:
+        batches.close()
+        if groups is not None:
+            groups.close()
 
 
 @pytest.mark.one_broker("the test drives the consumer's rebalance callbacks itself")
