@@ -504,4 +504,8 @@ class BatchStage(Stage):
     @property
     def idle(self) -> bool:
         held = any(len(merge) for merge in self.merges.values())
-        return super().idle and not held and not self._seal_in_flight
+        return super().idle and not held
+
+    @property
+    def _handed_off(self) -> Future[None] | None:
+        return self.sealing

@@ -194,8 +194,8 @@ class GroupStage(Stage):
         self.archiver.shutdown(wait=True)
 
     @property
-    def idle(self) -> bool:
-        return super().idle and (self.archiving is None or self.archiving.done())
+    def _handed_off(self) -> Future[None] | None:
+        return self.archiving
 
     def _archive_written(self) -> None:
         """Wait for the poll handed to the archiver; raises its error."""

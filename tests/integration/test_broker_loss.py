@@ -12,15 +12,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kafka.errors import KafkaTimeoutError
 
 from ingest.core.decided import Opened
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
+from ingest.processor import stage as stage_module
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
@@ -30,6 +33,7 @@ from tests.integration.pipeline import (
     event,
     ordered_kafka,
     poll_in_thread,
+    poll_until_idle,
     publish,
     rows,
     run_processor,
@@ -435,6 +439,48 @@ def test_a_batch_stage_stopped_on_an_untaken_step_sealed_restarts_as_an_uninterr
     assert re.match(_not_acknowledged("step_sealed messages", "batches", own_broker),
                     str(error)), error
     _assert_restart_matches_an_uninterrupted_run(kafka, lake, reference, "unsealed.restarted")
+
+
+def test_a_failed_seal_ends_the_next_poll_before_a_look_up_or_an_outage_report(
+        kafka, tmp_path, monkeypatch):
+    """A seal whose `step_sealed` the broker did not take failed the stage only at the
+    poll's commit, after the end-offset look-ups of the idleness check, which against a
+    broker that stopped answering wait PROBE_TIMEOUT_S each: a CI run's stage went on
+    polling for 80 s, until the health watch reported the outage instead. The look-ups wait
+    while the seal runs; the poll after it raises its error first."""
+    lake = str(tmp_path / "lake")
+    publish(kafka, "r", RUN, group("r", 0))
+    run_processor(kafka, lake, stages="groups")
+    stage = BatchStage(ProcessorConfig(kafka=kafka, lake=lake, broker_timeout_s=20), Lake(lake))
+    try:
+        poll_until_idle(stage)
+        looked_up: list[float] = []
+
+        def end_offsets_of_a_silent_broker(partitions: Any, timeout_ms: int) -> dict:
+            looked_up.append(timeout_ms)
+            time.sleep(timeout_ms / 1000)
+            raise KafkaTimeoutError("Failed to get offsets by timestamps")
+
+        monkeypatch.setattr(stage.consumer, "end_offsets", end_offsets_of_a_silent_broker)
+        monkeypatch.setattr(stage_module, "PROBE_TIMEOUT_S", 30.0)
+        sealing: Future[None] = Future()
+        stage.sealing = sealing
+        threading.Timer(1.0, sealing.set_exception,
+                        [BrokerUnavailableError("step_sealed messages not acknowledged")]).start()
+        started_at = time.monotonic()
+        with pytest.raises(BrokerUnavailableError, match="step_sealed messages"):
+            while time.monotonic() - started_at < 60:
+                stage.poll_once()
+        assert time.monotonic() - started_at < 5 and not looked_up
+
+        # The broker away for longer than --broker-timeout-s: the seal's error still first.
+        stage.sealing = sealing
+        monkeypatch.setattr(stage_module, "broker_reachable", lambda client: False)
+        stage.health.unreachable_since = time.monotonic() - 60
+        with pytest.raises(BrokerUnavailableError, match="step_sealed messages"):
+            stage.poll_once()
+    finally:
+        stage.close(timeout_s=2.0)
 
 
 def test_a_killed_broker_is_reported_once_and_ends_the_processor(own_broker, tmp_path):
