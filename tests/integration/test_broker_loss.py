@@ -42,6 +42,7 @@ from tests.integration.pipeline import (
     stuck_member,
 )
 from tests.support.freezes import frozen_seconds
+from tests.support.gateway_support import consume_all
 from tests.support.suite_kafka import SUITE_BROKER_START_S
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
@@ -375,19 +376,25 @@ def _stops_on_the_paused_broker(stage: GroupStage | BatchStage,
     return failures[0]
 
 
-def _assert_restart_matches_an_uninterrupted_run(kafka: KafkaSettings, lake: str,
-                                                 reference: str, group_id: str) -> None:
-    """Both stages restarted in `group_id` end with the tables of a run of their own."""
+def _restart(kafka: KafkaSettings, lake: str, group_id: str) -> None:
+    """Both stages restarted in `group_id`, the broker back, until idle."""
     restarted = run_processor(kafka, lake, consumer_group=group_id)
     assert not restarted.errors
+
+
+def _assert_tables_of_an_uninterrupted_run(kafka: KafkaSettings, lake: str, reference: str,
+                                           group_id: str, groups: int = 6,
+                                           steps: int = 6) -> None:
+    """`lake` holds the tables of run "r" (`groups` groups, all kept, in `steps` steps) that
+    a processor of its own writes to `reference`."""
     run_processor(kafka, reference, consumer_group=f"{group_id}-reference")
     decisions = ["group_index", "decision", "reason", "batch_step"]
     decided = run_rows(reference, "groups", decisions, "r")
-    assert [d[:3] for d in decided] == [(i, "kept", None) for i in range(6)]
+    assert [d[:3] for d in decided] == [(i, "kept", None) for i in range(groups)]
     assert run_rows(lake, "groups", decisions, "r") == decided
-    steps = ["step", "n_groups", "n_samples", "content_sha256"]
-    assert len(run_rows(reference, "steps", steps, "r")) == 6
-    assert run_rows(lake, "steps", steps, "r") == run_rows(reference, "steps", steps, "r")
+    columns = ["step", "n_groups", "n_samples", "content_sha256"]
+    assert len(run_rows(reference, "steps", columns, "r")) == steps
+    assert run_rows(lake, "steps", columns, "r") == run_rows(reference, "steps", columns, "r")
 
 
 def _not_acknowledged(what: str, role: str, broker: EmbeddedBroker) -> str:
@@ -417,7 +424,8 @@ def test_a_group_stage_stopped_on_untaken_decisions_restarts_as_an_uninterrupted
     error = _stops_on_the_paused_broker(stage, archive)
     assert isinstance(error, BrokerUnavailableError), error
     assert re.match(_not_acknowledged("decisions", "groups", own_broker), str(error)), error
-    _assert_restart_matches_an_uninterrupted_run(kafka, lake, reference, "untaken.restarted")
+    _restart(kafka, lake, "untaken.restarted")
+    _assert_tables_of_an_uninterrupted_run(kafka, lake, reference, "untaken.restarted")
 
 
 def test_a_batch_stage_stopped_on_an_untaken_step_sealed_restarts_as_an_uninterrupted_run(
@@ -438,7 +446,41 @@ def test_a_batch_stage_stopped_on_an_untaken_step_sealed_restarts_as_an_uninterr
     assert isinstance(error, BrokerUnavailableError), error
     assert re.match(_not_acknowledged("step_sealed messages", "batches", own_broker),
                     str(error)), error
-    _assert_restart_matches_an_uninterrupted_run(kafka, lake, reference, "unsealed.restarted")
+    _restart(kafka, lake, "unsealed.restarted")
+    _assert_tables_of_an_uninterrupted_run(kafka, lake, reference, "unsealed.restarted")
+
+
+def test_a_batch_stage_stopped_on_an_untaken_demand_sends_it_again_on_restart(
+        own_broker, tmp_path):
+    """The broker stops answering once the first decision's `groups` row is written: the
+    next decision's demand (its step still open, two of three groups kept) is not
+    acknowledged, and the stage stops before that decision's rows. A restart sends the
+    demand again (it is newer than the `groups` rows), then the step's seal, and ends with
+    the tables of an uninterrupted run."""
+    lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
+    kafka = ordered_kafka(own_broker.bootstrap_servers, "undemanded.")
+    for index in range(3):  # decided one after the other, each passed by a watermark
+        publish(kafka, "r", {"n_samples_per_prompt": 2, "rollout_batch_size": 3},
+                [event("group_started", "r", group_index=index, step=0, n_samples=2),
+                 sample("r", index, 0, 1.0), sample("r", index, 1, 0.0)])
+        run_processor(kafka, lake, stages="groups", consumer_group="undemanded.restarted")
+    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
+                             broker_timeout_s=20, max_poll_records=1,
+                             consumer_group="undemanded.restarted")
+    groups_table = _PausesTheBrokerAfterCommit(lake, own_broker, "groups")
+    error = _stops_on_the_paused_broker(BatchStage(config, groups_table), groups_table)
+    assert isinstance(error, BrokerUnavailableError), error
+    assert re.match(_not_acknowledged("demand messages", "batches", own_broker),
+                    str(error)), error
+    assert [r["group_index"] for r in rows(lake, "groups", "r")] == [0]
+
+    _restart(kafka, lake, "undemanded.restarted")
+    sent = [json.loads(r.value) for r in consume_all(kafka, kafka.topics.control)]
+    # The paused broker may still have taken the first attempt when it woke.
+    kept = [b.get("kept") for b in sent if b["run_id"] == "r"]
+    assert [k for k, _ in itertools.groupby(kept)] == [1, 2, None]  # None: step_sealed
+    _assert_tables_of_an_uninterrupted_run(kafka, lake, reference, "undemanded.restarted",
+                                           groups=3, steps=1)
 
 
 def test_a_failed_seal_ends_the_next_poll_before_a_look_up_or_an_outage_report(
