@@ -39,10 +39,12 @@ class BatchChild:
     def __init__(self) -> None:
         context = multiprocessing.get_context("spawn")
         receive, self._send = context.Pipe(duplex=False)
-        self.process = context.Process(target=_child_main, args=(receive, os.getpid()),
+        self._errors, report = context.Pipe(duplex=False)
+        self.process = context.Process(target=_child_main, args=(receive, report, os.getpid()),
                                        name="rolloutlake-batches")
         self.process.start()
         receive.close()
+        report.close()
         # Not configured by the time the parent exits (bad flags, --help): nothing to wait for.
         atexit.register(self.cancel)
 
@@ -52,6 +54,14 @@ class BatchChild:
         # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
         self._send.send((config, kafka_log_level))
         self._send.close()
+
+    def reported_error(self) -> str | None:
+        """The one-line error the child stopped on, for the parent to say (once: the
+        parent's own comes first); None when it reported none."""
+        try:
+            return self._errors.recv() if self._errors.poll() else None
+        except EOFError:
+            return None
 
     def cancel(self) -> None:
         """Stop the child: one never configured has only imported modules so far, and one
@@ -76,7 +86,7 @@ def take_prestarted() -> BatchChild | None:
     return child
 
 
-def _child_main(receive: Connection, parent_pid: int) -> None:
+def _child_main(receive: Connection, report: Connection, parent_pid: int) -> None:
     die_with_parent(parent_pid)  # no orphan stage lives on
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C, even mid-import
     # The parent's SIGTERM means "drain, then exit"; one that comes before the stage exists
@@ -94,4 +104,4 @@ def _child_main(receive: Connection, parent_pid: int) -> None:
         config, kafka_log_level = receive.recv()
     except EOFError:  # the parent went away before it had a configuration
         return
-    run_batch_stage(config, kafka_log_level, drain_asked)
+    run_batch_stage(config, kafka_log_level, drain_asked, report)

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 
 from ingest.io.allocator import reuse_large_buffers
 from ingest.io.lake import Lake
@@ -25,7 +26,7 @@ from ingest.processor.health import FreezeWatch, write_status
 from ingest.processor.launch import BatchChild, take_prestarted
 from ingest.processor.wandb_sink import follow_all_runs
 from schemas.config import add_config_flags, config_from_args
-from schemas.errors import ConfigError, RolloutlakeError
+from schemas.errors import RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ STATUS_EVERY_S = 1.0
 # finish; the batch stage gives up on its own only when the parent could not.
 CHILD_GRACE_S = 15.0
 CLOSE_TIMEOUT_S = 5.0
-CHILD_REPORTED = 2  # exit code of a batch-stage child that printed its one-line error itself
+CHILD_REPORTED = 2  # exit code of a batch-stage child that sent its one-line error to the parent
 
 
 def idle_for(stages: Sequence[GroupStage | BatchStage], read_since: float = 0.0) -> float:
@@ -165,9 +166,10 @@ class Processor:
 
 
 def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
-                    drain_asked: threading.Event) -> None:
+                    drain_asked: threading.Event, report: Connection) -> None:
     """The batch stage of `config`, run by the child process (`launch.BatchChild`);
-    `drain_asked` is set when the parent asked it to drain before the stage existed."""
+    `drain_asked` is set when the parent asked it to drain before the stage existed. The
+    one-line error it stops on goes to the parent through `report`."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
@@ -183,12 +185,9 @@ def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
             processor.drain()
         code = processor.run()
     except RolloutlakeError as err:
-        if isinstance(err, ConfigError):
-            # Flags the broker or the lake refuses are refused to the parent too, which
-            # joins its group at the same time, says it and stops this child: said here only
-            # if the parent has not within the grace.
-            time.sleep(CHILD_GRACE_S)
-        print(f"rolloutlake process: {err}", file=sys.stderr, flush=True)
+        # Said by the parent, unless it stops on an error of its own: flags the broker or
+        # the lake refuses are refused to both stages at once, and the user reads it once.
+        report.send(str(err))
         sys.exit(CHILD_REPORTED)
     sys.exit(code)
 
@@ -233,8 +232,9 @@ def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
         if process.is_alive():
             process.kill()
         process.join()
-    if process.exitcode == CHILD_REPORTED:
-        return CHILD_REPORTED
+    reported = child.reported_error()
+    if reported is not None:
+        raise RolloutlakeError(reported)
     if process.exitcode:
         raise RolloutlakeError(f"the batch stage exited with code {process.exitcode}")
     return code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -17,6 +18,9 @@ import pytest
 from ingest.cli import COMMANDS
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.lake import Lake
+from ingest.processor.config import ProcessorConfig
+from ingest.processor.launch import BatchChild
+from ingest.processor.main import CHILD_REPORTED
 from tests.integration.pipeline import ordered_kafka, run_processor
 
 READS_THE_LAKE = pytest.mark.one_broker("replay and audit read the lake; the broker only builds it")
@@ -338,6 +342,24 @@ def test_a_session_timeout_the_broker_refuses_is_one_line(broker, tmp_path):
             "is 6000 by default)")
     else:
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.one_broker("only Apache Kafka refuses a session timeout", engine="kafka")
+def test_a_batch_stage_child_sends_its_error_to_the_parent_at_once(broker, tmp_path, capfd):
+    """Both stages meet a refused flag at once; the parent says it (its own error first),
+    so the child sends its own to the parent instead of printing it. It once slept 15 s
+    before printing, so that the parent's line came first."""
+    kafka = ordered_kafka(broker.bootstrap_servers, f"child{os.getpid()}.")
+    config = ProcessorConfig(kafka=kafka, lake=str(tmp_path / "lake"), session_timeout_ms=2000)
+    child = BatchChild()
+    child.configure(config, logging.WARNING)
+    child.process.join(60)
+    assert child.process.exitcode == CHILD_REPORTED
+    assert child.reported_error() == (
+        "--session-timeout-ms: the broker refuses 2000 ms (outside its "
+        "group.min.session.timeout.ms..group.max.session.timeout.ms; Apache Kafka's minimum "
+        "is 6000 by default)")
+    assert "rolloutlake process:" not in capfd.readouterr().err  # the parent's to say
 
 
 def test_without_a_session_timeout_the_stages_join_with_the_shortest_the_broker_takes(
