@@ -263,13 +263,8 @@ class Stage(ConsumerRebalanceListener):
             self._rejoin_with_longer_session_timeout()
             return 0
         self.working = bool(polled)
-        handed = self._handed_off
-        if handed is not None and handed.done():
-            # Its sends not acknowledged, most likely: raised before the health watch
-            # reports the outage behind them, which says less.
-            handed.result()
         now = time.monotonic()
-        self.health.observe_broker(bool(polled) or broker_reachable(self.consumer), now)
+        reachable = bool(polled) or broker_reachable(self.consumer)
         taken_over = False
         if self.rebalanced:
             self.rebalanced = False
@@ -300,6 +295,13 @@ class Stage(ConsumerRebalanceListener):
         self.connections, self.freezes = connections, freezes
         if self.unverified is not None:
             polled = self._checked_partitions(polled, self.unverified)
+        # A failed hand-off (its sends not acknowledged, most likely) stops the stage here:
+        # after the check above, whose refusal of a recreated topic says what happened to
+        # the broker, and before the health watch, whose outage report says less.
+        handed = self._handed_off
+        if handed is not None and handed.done():
+            handed.result()
+        self.health.observe_broker(reachable, now)
         self.health.observe_join(self.joined, now)
         if self._assignment_stuck():
             self._rejoin_with_a_new_consumer(

@@ -28,7 +28,7 @@ from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import FreezeWatch
-from schemas.errors import BrokerUnavailableError
+from schemas.errors import BrokerUnavailableError, RolloutlakeError
 from tests.integration.pipeline import (
     event,
     ordered_kafka,
@@ -178,6 +178,36 @@ def test_a_topic_recreated_under_a_running_processor_is_refused(own_broker, tmp_
     assert line.startswith("rolloutlake process: again.rollout.events[0]: the topic was "
                            "recreated (its message at offset 2 is not the one the lake "
                            "stored;"), line
+
+
+def test_a_recreated_topic_is_said_before_the_sends_the_new_broker_refused(kafka, tmp_path):
+    """A broker restarted empty refuses the idempotent producer it no longer knows
+    (UnknownProducerIdError), so the archiver's next watermarks fail too: a CI run's
+    processor said that instead of the recreated topic behind it. The stage's check of its
+    partitions comes first; a failed hand-off is raised after it."""
+    publish(kafka, "before", RUN, group("before", 0))
+    lake = Lake(str(tmp_path / "lake"))
+    stage = GroupStage(ProcessorConfig(kafka=kafka, lake=lake.root), lake)
+    try:
+        poll_until_idle(stage)
+        admin = kafka.admin()
+        try:
+            admin.delete_topics([kafka.topics.events])
+        finally:
+            admin.close()
+        kafka.ensure_topics()
+        publish(kafka, "after", RUN, [*group("after", 0), *group("after", 1)])
+        refused: Future[None] = Future()
+        refused.set_exception(BrokerUnavailableError(
+            "groups stage: decisions not acknowledged by the broker: UnknownProducerIdError"))
+        stage.archiving = refused
+        FreezeWatch.count += 1  # as a frozen process (or a new broker connection) tells
+        with pytest.raises(RolloutlakeError, match="the topic was recreated"):
+            for _ in range(100):
+                stage.poll_once()
+    finally:
+        stage.archiving = None
+        stage.close()
 
 
 def test_a_processor_frozen_on_a_healthy_broker_goes_on(broker, tmp_path):
