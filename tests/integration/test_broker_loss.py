@@ -43,7 +43,7 @@ from tests.integration.pipeline import (
 )
 from tests.support.freezes import frozen_seconds
 from tests.support.gateway_support import consume_all
-from tests.support.suite_kafka import SUITE_BROKER_START_S
+from tests.support.suite_kafka import SUITE_BROKER_START_S, suite_kafka
 
 RUN = {"n_samples_per_prompt": 2, "rollout_batch_size": 1}
 
@@ -434,15 +434,19 @@ def _not_acknowledged(what: str, role: str, broker: EmbeddedBroker) -> str:
             f"{re.escape(broker.bootstrap_servers)}(: | within 20 s;)")
 
 
+@pytest.mark.parametrize("event_partitions", [1, 2])
 def test_a_group_stage_stopped_on_untaken_decisions_restarts_as_an_uninterrupted_run(
-        own_broker, tmp_path):
+        own_broker, tmp_path, event_partitions):
     """The broker stops answering once a poll's events are archived, so that poll's
     decisions are not acknowledged: the stage stops (before anything after them is
     committed), and a restart in the same consumer group, the broker back, ends with the
-    tables of an uninterrupted run. The broker may still take the first sends once it
-    wakes, so the restart's decisions can be a second copy of some."""
+    tables of an uninterrupted run, also with the groups on two partitions (each resumed
+    from its own offsets). The broker may still take the first sends once it wakes, so
+    the restart's decisions can be a second copy of some."""
     lake, reference = str(tmp_path / "lake"), str(tmp_path / "reference")
-    kafka = ordered_kafka(own_broker.bootstrap_servers, "untaken.")
+    kafka = suite_kafka(own_broker.bootstrap_servers, topic_prefix="untaken.",
+                        event_partitions=event_partitions, decision_partitions=1)
+    kafka.ensure_topics()
     publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
     config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
                              broker_timeout_s=20, max_poll_records=3,
