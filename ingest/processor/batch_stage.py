@@ -353,7 +353,7 @@ class BatchStage(Stage):
         """Samples, metrics and groups side by side, the poll's seal (if any) handed to the
         sealer; demands go out first: a restart resends those newer than the `groups` rows.
         A seal that failed fails the poll after it."""
-        if not self._seal_in_flight:
+        if not self._hand_off_running:
             self._sealed()  # raises a seal's error: nothing is committed after it
         topic = self.topics.decisions
         marks = dict(pending.last_offset)
@@ -379,10 +379,6 @@ class BatchStage(Stage):
             [TxnMark(app_id("dead_letters", topic, p), o) for p, o in marks.items()]
         )
         self._snapshot([p for p, o in marks.items() if self.snapshots.due(p, o)])
-
-    @property
-    def _seal_in_flight(self) -> bool:
-        return self.sealing is not None and not self.sealing.done()
 
     def _sealed(self) -> None:
         """Wait for the seals handed to the sealer; raises a failed one's error, at every

@@ -122,15 +122,14 @@ class Processor:
             if now - status_at >= STATUS_EVERY_S:
                 status_at = now
                 self._write_status()
-            idle = min(idle_for(self.stages), now - running_since)
+            # A drain reads first what was sent before it was asked for.
+            idle = min(idle_for(self.stages, read_since=self.drain_asked_at or 0.0),
+                       now - running_since)
             if idle_s is not None and idle >= idle_s:
                 log.info("idle for %.1f s: finishing", idle_s)
                 self.stop_event.set()
             if self.drain_asked_at is not None and (
-                # what was sent before the drain was asked for is read first
-                min(idle_for(self.stages, read_since=self.drain_asked_at),
-                    now - running_since) >= DRAIN_IDLE_S
-                or now > self.drain_asked_at + DRAIN_LIMIT_S
+                idle >= DRAIN_IDLE_S or now > self.drain_asked_at + DRAIN_LIMIT_S
             ):
                 self.stop_event.set()
         for thread in threads:

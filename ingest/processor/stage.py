@@ -420,8 +420,7 @@ class Stage(ConsumerRebalanceListener):
         now = time.monotonic()
         if self.health.unreachable_since is not None or now - self.end_checked_at < CATCH_UP_CHECK_S:
             return False
-        handed = self._handed_off
-        if handed is not None and not handed.done():
+        if self._hand_off_running:
             # Not idle meanwhile anyway; and against a broker that stopped answering, the
             # look-ups below (up to PROBE_TIMEOUT_S each) held up the poll that raises the
             # hand-off's failure for a minute.
@@ -573,16 +572,20 @@ class Stage(ConsumerRebalanceListener):
         session) the stage owns nothing and its partitions' work is still ahead, such as
         a group stage re-sending the decisions a killed owner archived but never sent."""
         assigned = {tp.partition for tp in self.consumer.assignment()}
-        handed = self._handed_off
         return (self.joined and not self.working and assigned <= self.owned
                 and self.caught_up and not self.dead_letters.rows
-                and (handed is None or handed.done()))
+                and not self._hand_off_running)
 
     @property
     def _handed_off(self) -> Future[None] | None:
         """The last work the stage handed to a thread of its own (the group stage's archive
         and decisions, the batch stage's seal); its failure stops the stage."""
         return None
+
+    @property
+    def _hand_off_running(self) -> bool:
+        handed = self._handed_off
+        return handed is not None and not handed.done()
 
     def await_sent(self, sent: list[Any], what: str) -> None:
         """Wait for `sent`, futures of this stage's sends of `what`, to be acknowledged;

@@ -406,6 +406,20 @@ def _stops_on_the_paused_broker(stage: GroupStage | BatchStage,
     return failures[0]
 
 
+def _batch_stage_stops_unacknowledged(broker: EmbeddedBroker, kafka: KafkaSettings, lake: str,
+                                      group_id: str, *, paused_after: str,
+                                      max_poll_records: int, what: str) -> None:
+    """A batch stage in `group_id` whose broker is paused right after its first commit to
+    `paused_after` stops on its sends of `what`, which the broker did not acknowledge."""
+    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
+                             broker_timeout_s=20, max_poll_records=max_poll_records,
+                             consumer_group=group_id)
+    paused = _PausesTheBrokerAfterCommit(lake, broker, paused_after)
+    error = _stops_on_the_paused_broker(BatchStage(config, paused), paused)
+    assert isinstance(error, BrokerUnavailableError), error
+    assert re.match(_not_acknowledged(what, "batches", broker), str(error)), error
+
+
 def _restart(kafka: KafkaSettings, lake: str, group_id: str) -> None:
     """Both stages restarted in `group_id`, the broker back, until idle."""
     restarted = run_processor(kafka, lake, consumer_group=group_id)
@@ -472,14 +486,9 @@ def test_a_batch_stage_stopped_on_an_untaken_step_sealed_restarts_as_an_uninterr
     kafka = ordered_kafka(own_broker.bootstrap_servers, "unsealed.")
     publish(kafka, "r", RUN, [e for index in range(6) for e in group("r", index)])
     run_processor(kafka, lake, stages="groups", consumer_group="unsealed.restarted")
-    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
-                             broker_timeout_s=20, max_poll_records=3,
-                             consumer_group="unsealed.restarted")
-    steps = _PausesTheBrokerAfterCommit(lake, own_broker, "steps")
-    error = _stops_on_the_paused_broker(BatchStage(config, steps), steps)
-    assert isinstance(error, BrokerUnavailableError), error
-    assert re.match(_not_acknowledged("step_sealed messages", "batches", own_broker),
-                    str(error)), error
+    _batch_stage_stops_unacknowledged(own_broker, kafka, lake, "unsealed.restarted",
+                                      paused_after="steps", max_poll_records=3,
+                                      what="step_sealed messages")
     _restart(kafka, lake, "unsealed.restarted")
     _assert_tables_of_an_uninterrupted_run(kafka, lake, reference, "unsealed.restarted")
 
@@ -498,14 +507,9 @@ def test_a_batch_stage_stopped_on_an_untaken_demand_sends_it_again_on_restart(
                 [event("group_started", "r", group_index=index, step=0, n_samples=2),
                  sample("r", index, 0, 1.0), sample("r", index, 1, 0.0)])
         run_processor(kafka, lake, stages="groups", consumer_group="undemanded.restarted")
-    config = ProcessorConfig(kafka=_GivesUpFast(**kafka.model_dump()), lake=lake,
-                             broker_timeout_s=20, max_poll_records=1,
-                             consumer_group="undemanded.restarted")
-    groups_table = _PausesTheBrokerAfterCommit(lake, own_broker, "groups")
-    error = _stops_on_the_paused_broker(BatchStage(config, groups_table), groups_table)
-    assert isinstance(error, BrokerUnavailableError), error
-    assert re.match(_not_acknowledged("demand messages", "batches", own_broker),
-                    str(error)), error
+    _batch_stage_stops_unacknowledged(own_broker, kafka, lake, "undemanded.restarted",
+                                      paused_after="groups", max_poll_records=1,
+                                      what="demand messages")
     assert [r["group_index"] for r in rows(lake, "groups", "r")] == [0]
 
     _restart(kafka, lake, "undemanded.restarted")
