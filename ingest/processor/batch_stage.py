@@ -32,6 +32,7 @@ from ingest.core.ordering import OPENED, DecisionMerge
 from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.io.archive import archived_group
 from ingest.io.lake import Lake, TxnMark
+from ingest.io.spool import DecisionSpool, SpoolRef
 from ingest.processor.batch_snapshot import (
     BatchSnapshots,
     BatchState,
@@ -87,8 +88,12 @@ class BatchStage(Stage):
     # dead_letters (raw messages, up to 8 MiB each, rare).
     compacted_tables = ("samples", "groups", "steps", "step_metrics")
 
-    def __init__(self, config: ProcessorConfig, lake: Lake):
+    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None):
         super().__init__(config, lake, topic=config.kafka.topics.decisions, role="batches")
+        # Where this instance's group stage learns which decisions partitions are read here
+        # (it leaves their fragments in the spool, `ingest/io/spool.py`).
+        self.spool = spool
+        self._spool_missed = False  # said once that a spool reference could not be read
         self.batchers: dict[str, RunBatcher] = {}
         self.run_partition: dict[str, int] = {}
         # Opened groups of runs whose run_started is not read yet (a worker may start
@@ -139,6 +144,8 @@ class BatchStage(Stage):
             self.run_partition.pop(run_id, None)
         for partition in partitions:
             self.merges.pop(partition, None)
+        if self.spool is not None:
+            self.spool.own(self.owned - partitions)
 
     def _take_over(self, assigned: set[TopicPartition]) -> None:
         self.runs.catch_up()
@@ -156,6 +163,8 @@ class BatchStage(Stage):
                     table, app_id(table, tp.topic, tp.partition)
                 )
             self._restore(tp)
+        if self.spool is not None:
+            self.spool.own(self.owned | {tp.partition for tp in assigned})
 
     def _restore(self, tp: TopicPartition) -> None:
         """Load the partition's latest snapshot, check the topic, seek.
@@ -278,7 +287,7 @@ class BatchStage(Stage):
                              "applied before stands", record.topic, record.partition,
                              record.offset, key.group_index, key.run_id)
                 return  # sent again after a group-stage restart; the first one stands
-            merge.add(key, (record.offset, item, record.value))
+            merge.add(key, (record.offset, item, self._fragments_value(record)))
         for _key, (offset, item, value) in merge.ready():
             self._applied = True
             if isinstance(item, Opened):
@@ -296,18 +305,32 @@ class BatchStage(Stage):
                         "applied (an event later than watermark_lag_s on an idle events "
                         "partition that changed owner); applied now", record.partition)
 
-    def _decide(self, header: DecisionHeader, value: bytes, offset: int, release: Any,
-                pending: _Pending) -> None:
+    def _fragments_value(self, record: Any) -> bytes | pa.Buffer | None:
+        """The decision's fragments: the record's value, or the spool's bytes it names;
+        None where those cannot be read here (its group is re-assembled from the archive)."""
+        ref = SpoolRef.of(record)
+        if ref is None:
+            return record.value
+        value = ref.read()
+        if value is None and not self._spool_missed:
+            self._spool_missed = True
+            log.info("%s[%d]@%d: the decision's fragments are not in this host's spool (%s); "
+                     "its group, and any other such, is re-assembled from the events archive",
+                     record.topic, record.partition, record.offset, ref.path)
+        return value
+
+    def _decide(self, header: DecisionHeader, value: bytes | pa.Buffer | None, offset: int,
+                release: Any, pending: _Pending) -> None:
         """Apply one decision (from `offset`), released by the record `release`: its
         output rows carry the releasing record's offset."""
         batcher = self._batcher(header.run_id, release.partition)
         if batcher is None:
             self.dead_letters.add(release.topic, release.partition, offset,
                                   f"decision for run {header.run_id} without run_started",
-                                  value, run_id=header.run_id,
-                                  group_index=header.group_index)
+                                  None if value is None else bytes(value),
+                                  run_id=header.run_id, group_index=header.group_index)
             return
-        if header.fragments_in_archive:
+        if header.fragments_in_archive or value is None:
             fragments = fragments_table(
                 archived_group(self.lake, header.run_id, header.group_index),
                 batcher.config.reward_key, with_tokens=header.decision == "kept",

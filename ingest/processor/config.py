@@ -60,6 +60,13 @@ class ProcessorConfig(BaseModel):
     """How far behind the wall clock an idle events partition's event time follows. An
     event that arrives later than this behind its own time is ordered as if it came at
     the idle partition's time; a larger lag delays seals while a partition is idle."""
+    spool: bool = True
+    """Hand kept groups' token columns from the group stage to this instance's own batch
+    stage through files on this host (`spool_dir`) instead of through Kafka a second time;
+    decisions bound for another instance's batch stage still carry them."""
+    spool_dir: str | None = None
+    """Folder of the spool's files (default: rolloutlake-spool in the system's temp
+    folder; a memory-backed folder such as /dev/shm spares the disk its writes)."""
     wandb: bool = False
     """Also log every run's step metrics to Weights & Biases (offline unless WANDB_MODE)."""
     wandb_dir: str | None = None

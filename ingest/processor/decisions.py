@@ -109,6 +109,6 @@ def _header(record: Any, name: str) -> bytes | None:
     return None
 
 
-def decode_fragments(value: bytes) -> pa.Table:
+def decode_fragments(value: bytes | pa.Buffer) -> pa.Table:
     with pa.ipc.open_stream(pa.py_buffer(value)) as reader:
         return reader.read_all()

@@ -35,6 +35,7 @@ from ingest.core.ordering import PartitionClock, TimeoutQueue, micros, timeout_m
 from ingest.io.archive import read_archive
 from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake, TxnMark
+from ingest.io.spool import DecisionSpool
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import (
     encode_decision,
@@ -152,8 +153,9 @@ class GroupStage(Stage):
     # behind them) slow down as a long run's files accumulate.
     compacted_tables = ("events",)
 
-    def __init__(self, config: ProcessorConfig, lake: Lake):
+    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None):
         super().__init__(config, lake, topic=config.kafka.topics.events, role="groups")
+        self.spool = spool  # where decisions for this instance's batch stage leave fragments
         self.pending: dict[GroupKey, _Pending] = {}
         self.decided: dict[GroupKey, set[str]] = {}  # decided group -> its event ids
         self.dead: set[GroupKey] = set()  # timed out without a group_started
@@ -593,20 +595,27 @@ class GroupStage(Stage):
     def _publish(self, decisions: list[DecidedGroup | Opened],
                  watermarks: list[tuple[int, tuple[int, int]]]) -> None:
         """Decisions and notices, then the watermarks (after them, on the same partitions,
-        so a watermark never overtakes a decision it covers)."""
+        so a watermark never overtakes a decision it covers). A decision bound for this
+        instance's own batch stage leaves its fragments in the spool (`ingest/io/spool.py`)."""
+        records = [(item.run_id, encode_opened(item), b"") if isinstance(item, Opened)
+                   else (item.header.run_id, *encode_decision(item)) for item in decisions]
+        targets = self._decisions_targets()
+        # Each run's records go where the producer's partitioner would put them, named
+        # here so that the spool knows whether the instance's own batch stage reads them.
+        partitions = [targets[key_partition(run_id.encode(), len(targets))]
+                      for run_id, _, _ in records]
+        refs = (self.spool.carry([value for _, _, value in records], partitions)
+                if self.spool is not None else [None] * len(records))
         sent = []
-        for item in decisions:
-            if isinstance(item, Opened):
-                sent.append(self.producer.send(
-                    self.topics.decisions, key=item.run_id.encode(), value=b"",
-                    headers=[*encode_opened(item), self._sent_by]))
-                continue
-            headers, value = encode_decision(item)
+        for (run_id, headers, value), partition, ref in zip(records, partitions, refs,
+                                                            strict=True):
+            if ref is not None:
+                headers, value = [*headers, ref.header()], b""
             sent.append(self.producer.send(
-                self.topics.decisions, key=item.header.run_id.encode(), value=value,
+                self.topics.decisions, key=run_id.encode(), value=value, partition=partition,
                 headers=[*headers, self._sent_by]))
         for partition, bound in watermarks:
-            for target in self._decisions_partitions or ():
+            for target in targets:
                 sent.append(self.producer.send(
                     self.topics.decisions, partition=target, value=b"",
                     headers=[*encode_watermark(partition, *bound), self._sent_by]))
@@ -614,6 +623,13 @@ class GroupStage(Stage):
             self.await_sent(sent, "decisions")
         if decisions:  # work for the batch stage, which idleness waits for (`idle_for`)
             self.last_activity = time.monotonic()
+
+    def _decisions_targets(self) -> list[int]:
+        """The partitions of `rollout.decisions`, as the producer's metadata first had them."""
+        if self._decisions_partitions is None:
+            found = self.producer.partitions_for(self.topics.decisions)
+            self._decisions_partitions = sorted(found or {0})
+        return self._decisions_partitions
 
     def _watermarks_due(self) -> list[tuple[int, tuple[int, int]]]:
         """(partition, bound) of each owned partition whose bound moved since the last
@@ -623,9 +639,7 @@ class GroupStage(Stage):
         A complete group still waiting for its run's config holds its partition's bound at
         its completing event, so its decision can still take its place.
         """
-        if self._decisions_partitions is None:
-            found = self.producer.partitions_for(self.topics.decisions)
-            self._decisions_partitions = sorted(found or {0})
+        self._decisions_targets()
         held: dict[int, tuple[int, int]] = {}
         for pending in self.pending.values():
             if pending.completed_us is not None and pending.completed_at is not None:

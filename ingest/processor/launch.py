@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 from ingest.io.child_process import die_with_parent
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ingest.processor.config import ProcessorConfig
 
 # Flags after which the processor runs no batch-stage child (or runs nothing at all).
@@ -48,11 +50,12 @@ class BatchChild:
         # Not configured by the time the parent exits (bad flags, --help): nothing to wait for.
         atexit.register(self.cancel)
 
-    def configure(self, config: ProcessorConfig, kafka_log_level: int) -> None:
-        """From now on the child runs the batch stage of `config`."""
+    def configure(self, config: ProcessorConfig, kafka_log_level: int,
+                  spool_folder: Path | None) -> None:
+        """From now on the child runs the batch stage of `config`, with the parent's spool."""
         atexit.unregister(self.cancel)
         # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
-        self._send.send((config, kafka_log_level))
+        self._send.send((config, kafka_log_level, spool_folder))
         self._send.close()
 
     def reported_error(self) -> str | None:
@@ -101,7 +104,7 @@ def _child_main(receive: Connection, report: Connection, parent_pid: int) -> Non
     from ingest.processor.main import run_batch_stage
 
     try:
-        config, kafka_log_level = receive.recv()
+        config, kafka_log_level, spool_folder = receive.recv()
     except EOFError:  # the parent went away before it had a configuration
         return
-    run_batch_stage(config, kafka_log_level, drain_asked, report)
+    run_batch_stage(config, kafka_log_level, spool_folder, drain_asked, report)

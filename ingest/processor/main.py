@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from ingest.io.allocator import reuse_large_buffers
 from ingest.io.lake import Lake
+from ingest.io.spool import DecisionSpool
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
@@ -62,9 +64,11 @@ class Processor:
     """Both stages, each polled by its own thread; `run` returns when stopped or idle."""
 
     def __init__(self, config: ProcessorConfig,
-                 tables_ready: Callable[[], None] | None = None):
+                 tables_ready: Callable[[], None] | None = None,
+                 spool: DecisionSpool | None = None):
         """`tables_ready` is called once every table and topic exists, before the stages
-        are built."""
+        are built. `spool` is the instance's spool where another process made it (a
+        split processor); running both stages, the processor makes its own."""
         reuse_large_buffers()  # both processes handle megabyte buffers by the thousand
         self.config = config
         self.lake = Lake(config.lake)
@@ -75,11 +79,15 @@ class Processor:
         if tables_ready is not None:
             tables_ready()
         self.stop_event = threading.Event()
+        self.own_spool = spool is None and config.spool and config.stages == "all"
+        if self.own_spool:
+            spool = DecisionSpool.create(config.spool_dir)
+        self.spool = spool
         self.stages: list[GroupStage | BatchStage] = []
         if config.stages in ("all", "groups"):
-            self.stages.append(GroupStage(config, Lake(config.lake)))
+            self.stages.append(GroupStage(config, Lake(config.lake), spool))
         if config.stages in ("all", "batches"):
-            self.stages.append(BatchStage(config, Lake(config.lake)))
+            self.stages.append(BatchStage(config, Lake(config.lake), spool))
         self.errors: list[BaseException] = []
         self.drain_asked_at: float | None = None
         self.wandb_stop = threading.Event()
@@ -145,6 +153,8 @@ class Processor:
             stage.close(timeout_s=CLOSE_TIMEOUT_S if self.errors else None)
             if stage.health.state != "failed":
                 stage.health.state = "stopped"
+        if self.own_spool and self.spool is not None:
+            self.spool.remove()
         self._write_status()
         if self.errors:
             raise self.errors[0]
@@ -164,11 +174,12 @@ class Processor:
             self.drain_asked_at = time.monotonic()
 
 
-def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
+def run_batch_stage(config: ProcessorConfig, kafka_log_level: int, spool_folder: Path | None,
                     drain_asked: threading.Event, report: Connection) -> None:
-    """The batch stage of `config`, run by the child process (`launch.BatchChild`);
-    `drain_asked` is set when the parent asked it to drain before the stage existed. The
-    one-line error it stops on goes to the parent through `report`."""
+    """The batch stage of `config`, run by the child process (`launch.BatchChild`), with
+    the parent's spool folder; `drain_asked` is set when the parent asked it to drain
+    before the stage existed. The one-line error it stops on goes to the parent through
+    `report`."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
@@ -176,7 +187,8 @@ def run_batch_stage(config: ProcessorConfig, kafka_log_level: int,
         processor = Processor(config.model_copy(update={
             "stages": "batches", "until_idle_s": None,
             "broker_timeout_s": config.broker_timeout_s + CHILD_GRACE_S,
-            "join_timeout_s": config.join_timeout_s + CHILD_GRACE_S}))
+            "join_timeout_s": config.join_timeout_s + CHILD_GRACE_S}),
+            spool=None if spool_folder is None else DecisionSpool(spool_folder))
         for stage in processor.stages:  # the parent says it to the user
             stage.health.report_level = logging.INFO
         signal.signal(signal.SIGTERM, processor.drain)
@@ -196,14 +208,20 @@ def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
     already); returns the exit code."""
     child = child or BatchChild()
     kafka_log_level = logging.getLogger("kafka").getEffectiveLevel()
+    spool = DecisionSpool.create(config.spool_dir) if config.spool else None
     try:
         # The child writes the metrics and closes the last steps, so it runs the W&B sink.
         # It is configured once the tables exist (two processes creating one Delta table
         # would race), and builds its stage, joining its group, while this one builds its own.
-        groups = Processor(config.model_copy(update={"stages": "groups", "wandb": False}),
-                           tables_ready=lambda: child.configure(config, kafka_log_level))
+        groups = Processor(
+            config.model_copy(update={"stages": "groups", "wandb": False}),
+            tables_ready=lambda: child.configure(
+                config, kafka_log_level, None if spool is None else spool.folder),
+            spool=spool)
     except BaseException:
         child.cancel()
+        if spool is not None:
+            spool.remove()
         raise
     process = child.process
 
@@ -231,6 +249,8 @@ def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
         if process.is_alive():
             process.kill()
         process.join()
+        if spool is not None:
+            spool.remove()
     reported = child.reported_error()
     if reported is not None:
         raise RolloutlakeError(reported)

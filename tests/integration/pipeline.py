@@ -88,6 +88,30 @@ def run_rows(lake: Lake | str, table: str, columns: list[str], run_id: str) -> l
     return sorted(zip(*(read.column(c).to_pylist() for c in columns), strict=True))
 
 
+def sorted_run_table(lake: Lake, name: str, run_id: str, sort: list[str]
+                     ) -> list[dict[str, Any]]:
+    """The run's rows of `name` in `sort` order, without the run id and the wall clock of
+    a decision (`decided_at`): what two runs over the same events must agree on."""
+    table = lake.read(name, filter=pc.field("run_id") == run_id).drop_columns(["run_id"])
+    if "decided_at" in table.column_names:
+        table = table.drop_columns(["decided_at"])
+    return table.sort_by([(c, "ascending") for c in sort]).to_pylist()
+
+
+def derived_tables(lake: Lake, run_id: str) -> dict[str, list[dict[str, Any]]]:
+    """What the processor derived for a run: its groups, samples, training batches and
+    steps (the step's content, not its commit's times and versions)."""
+    return {
+        "groups": sorted_run_table(lake, "groups", run_id, ["group_index"]),
+        "samples": sorted_run_table(lake, "samples", run_id,
+                                    ["group_index", "rollout_id", "fragment_index"]),
+        "training_batches": sorted_run_table(lake, "training_batches", run_id,
+                                             ["step", "position"]),
+        "steps": [{k: r[k] for k in ("step", "n_samples", "n_tokens", "content_sha256")}
+                  for r in sorted_run_table(lake, "steps", run_id, ["step"])],
+    }
+
+
 def by_group(lake: Lake | str, run_id: str) -> dict[int, dict[str, Any]]:
     return {r["group_index"]: r for r in rows(lake, "groups", run_id)}
 

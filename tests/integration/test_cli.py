@@ -352,7 +352,7 @@ def test_a_batch_stage_child_sends_its_error_to_the_parent_at_once(broker, tmp_p
     kafka = ordered_kafka(broker.bootstrap_servers, f"child{os.getpid()}.")
     config = ProcessorConfig(kafka=kafka, lake=str(tmp_path / "lake"), session_timeout_ms=2000)
     child = BatchChild()
-    child.configure(config, logging.WARNING)
+    child.configure(config, logging.WARNING, None)
     child.process.join(60)
     assert child.process.exitcode == CHILD_REPORTED
     assert child.reported_error() == (

@@ -23,20 +23,15 @@ from schemas.events import event_group_key
 from schemas.token_arrays import TOKEN_FIELDS
 from tests.integration.pipeline import (
     assert_keys_once,
+    derived_tables,
     event,
     ordered_kafka,
     rows,
     run_processor,
     sample,
+    sorted_run_table,
 )
 from tests.support.token_forms import b64, compact
-
-
-def _table(lake: Lake, name: str, run_id: str, sort: list[str]) -> list[dict[str, Any]]:
-    table = lake.read(name, filter=pc.field("run_id") == run_id).drop_columns(["run_id"])
-    if "decided_at" in table.column_names:
-        table = table.drop_columns(["decided_at"])  # the wall clock of the decision
-    return table.sort_by([(c, "ascending") for c in sort]).to_pylist()
 
 
 def test_list_compact_and_mixed_streams_give_identical_tables_and_replay(broker, tmp_path):
@@ -70,23 +65,11 @@ def test_list_compact_and_mixed_streams_give_identical_tables_and_replay(broker,
     payloads = [r["payload"] for r in rows(lake, "events", "mixed") if r["type"] != "run_started"]
     assert any('"b64"' in p for p in payloads) and any('"b64"' not in p and "tokens" in p
                                                       for p in payloads)
-    expected = {
-        "groups": _table(lake, "groups", "lists", ["group_index"]),
-        "samples": _table(lake, "samples", "lists", ["group_index", "rollout_id", "fragment_index"]),
-        "training_batches": _table(lake, "training_batches", "lists", ["step", "position"]),
-        "steps": [{k: r[k] for k in ("step", "n_samples", "n_tokens", "content_sha256")}
-                  for r in _table(lake, "steps", "lists", ["step"])],
-    }
+    expected = derived_tables(lake, "lists")
     assert len(expected["steps"]) == sim.steps
     assert sum(r["decision"] == "kept" for r in expected["groups"]) >= 2 * sim.rollout_batch_size
     for run_id in ("compact", "mixed"):
-        got = {
-            "groups": _table(lake, "groups", run_id, ["group_index"]),
-            "samples": _table(lake, "samples", run_id, ["group_index", "rollout_id", "fragment_index"]),
-            "training_batches": _table(lake, "training_batches", run_id, ["step", "position"]),
-            "steps": [{k: r[k] for k in ("step", "n_samples", "n_tokens", "content_sha256")}
-                      for r in _table(lake, "steps", run_id, ["step"])],
-        }
+        got = derived_tables(lake, run_id)
         for name, table in expected.items():
             assert got[name] == table, (run_id, name)
     # the archive of `mixed` holds both forms; replaying it rebuilds the same batches
@@ -157,7 +140,8 @@ def test_malformed_compact_arrays_are_dead_lettered_naming_the_field(kafka, lake
         assert f": {field}: " in errors[raw], (field, errors[raw])
     for name, sort in (("groups", ["group_index"]), ("training_batches", ["step", "position"]),
                        ("samples", ["group_index", "rollout_id", "fragment_index"])):
-        assert _table(lake, name, "poisoned", sort) == _table(lake, name, "clean", sort), name
+        assert (sorted_run_table(lake, name, "poisoned", sort)
+                == sorted_run_table(lake, name, "clean", sort)), name
     # per step: the two runs' steps rows are read in file order
     steps = {(r["run_id"], r["step"]): r["content_sha256"] for r in rows(lake, "steps")}
     assert sorted(steps) == [(run, step) for run in ("clean", "poisoned") for step in (0, 1)]
