@@ -54,7 +54,8 @@ def boot_id() -> str | None:
 
 
 def default_root() -> Path:
-    return Path(tempfile.gettempdir()) / "rolloutlake-spool"
+    """One folder per user: another user's could not be written to."""
+    return Path(tempfile.gettempdir()) / f"rolloutlake-spool-{os.getuid()}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +123,7 @@ class DecisionSpool:
             root.mkdir(parents=True, exist_ok=True)
             remove_expired(root, KEEP_S)
             folder = root / f"{os.getpid()}-{secrets.token_hex(4)}"
-            folder.mkdir()
+            folder.mkdir(mode=0o700)  # token ids and log-probs: the user's own
             lock = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         except OSError as err:  # the decisions carry their fragments, as without a spool
             log.warning("no spool in %s (%s): decisions carry their fragments through Kafka",

@@ -26,6 +26,7 @@ def test_only_values_bound_for_owned_partitions_are_carried_and_read_back(tmp_pa
     assert [ref is not None for ref in refs] == [True, False, False, True, False]
     assert refs[0] is not None and refs[3] is not None
     assert refs[0].path == refs[3].path  # one file per call
+    assert spool.folder.stat().st_mode & 0o077 == 0  # no other user reads the tokens
     record = _Record([("decision", b"{}"), refs[3].header()])
     carried = SpoolRef.of(record)
     assert carried == refs[3]
