@@ -71,12 +71,20 @@ class SpoolRef:
         return (HEADER, orjson.dumps(asdict(self)))
 
     @classmethod
-    def of(cls, record: Any) -> SpoolRef | None:
-        """The reference a decisions record carries, or None."""
-        for key, value in record.headers or ():
-            if key == HEADER:
-                return cls(**orjson.loads(value))
-        return None
+    def parse(cls, raw: bytes) -> SpoolRef:
+        """The reference in a `spool` header; ValueError naming what is wrong."""
+        try:
+            fields = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            raise ValueError(f"spool header is not JSON ({err})") from None
+        expected = {"boot": str, "path": str, "offset": int, "length": int}
+        if not isinstance(fields, dict) or set(fields) != set(expected) or not all(
+                type(fields[name]) is kind for name, kind in expected.items()):
+            raise ValueError(f"spool header {raw[:200]!r} is not "
+                             "{boot: str, path: str, offset: int, length: int}")
+        if fields["offset"] < 0 or fields["length"] < 0:
+            raise ValueError(f"spool header {raw[:200]!r} has a negative offset or length")
+        return cls(**fields)
 
     def read(self) -> pa.Buffer | None:
         """The bytes (mapped, not copied), or None where this process cannot read them."""
@@ -198,6 +206,21 @@ class DecisionSpool:
             path, _, size = self._written.popleft()
             self._bytes -= size
             path.unlink(missing_ok=True)
+
+
+def spooled_value(record: Any) -> tuple[bytes | pa.Buffer | None, str | None]:
+    """A decisions record's fragments: its value, or the spool's bytes its `spool` header
+    names; where those cannot be read here, None and why (the batch stage re-assembles
+    the group from the archive)."""
+    raw = next((value for key, value in record.headers or () if key == HEADER), None)
+    if raw is None:
+        return record.value, None
+    try:
+        ref = SpoolRef.parse(raw)
+    except ValueError as err:
+        return None, str(err)
+    value = ref.read()
+    return value, None if value is not None else f"not in this host's spool ({ref.path})"
 
 
 def remove_expired(root: Path, keep_s: float) -> None:

@@ -32,7 +32,7 @@ from ingest.core.ordering import OPENED, DecisionMerge
 from ingest.core.rows import groups_table, metric_rows, steps_row
 from ingest.io.archive import archived_group
 from ingest.io.lake import Lake, TxnMark
-from ingest.io.spool import DecisionSpool, SpoolRef
+from ingest.io.spool import DecisionSpool, spooled_value
 from ingest.processor.batch_snapshot import (
     BatchSnapshots,
     BatchState,
@@ -306,17 +306,14 @@ class BatchStage(Stage):
                         "partition that changed owner); applied now", record.partition)
 
     def _fragments_value(self, record: Any) -> bytes | pa.Buffer | None:
-        """The decision's fragments: the record's value, or the spool's bytes it names;
-        None where those cannot be read here (its group is re-assembled from the archive)."""
-        ref = SpoolRef.of(record)
-        if ref is None:
-            return record.value
-        value = ref.read()
-        if value is None and not self._spool_missed:
+        """The decision's fragments (`spool.spooled_value`); None where they cannot be read
+        here, and its group is re-assembled from the archive."""
+        value, unread = spooled_value(record)
+        if unread is not None and not self._spool_missed:
             self._spool_missed = True
-            log.info("%s[%d]@%d: the decision's fragments are not in this host's spool (%s); "
-                     "its group, and any other such, is re-assembled from the events archive",
-                     record.topic, record.partition, record.offset, ref.path)
+            log.info("%s[%d]@%d: the decision's fragments are %s; its group, and any other "
+                     "such, is re-assembled from the events archive", record.topic,
+                     record.partition, record.offset, unread)
         return value
 
     def _decide(self, header: DecisionHeader, value: bytes | pa.Buffer | None, offset: int,

@@ -8,12 +8,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ingest.io.spool import LOCK, DecisionSpool, SpoolRef, remove_expired
+import pytest
+
+from ingest.io.spool import HEADER, LOCK, DecisionSpool, remove_expired, spooled_value
 
 
 class _Record:
-    def __init__(self, headers: list[tuple[str, bytes]]):
+    def __init__(self, headers: list[tuple[str, bytes]], value: bytes = b""):
         self.headers = headers
+        self.value = value
 
 
 def test_only_values_bound_for_owned_partitions_are_carried_and_read_back(tmp_path):
@@ -27,12 +30,10 @@ def test_only_values_bound_for_owned_partitions_are_carried_and_read_back(tmp_pa
     assert refs[0] is not None and refs[3] is not None
     assert refs[0].path == refs[3].path  # one file per call
     assert spool.folder.stat().st_mode & 0o077 == 0  # no other user reads the tokens
-    record = _Record([("decision", b"{}"), refs[3].header()])
-    carried = SpoolRef.of(record)
-    assert carried == refs[3]
-    assert carried.read().to_pybytes() == b"cc"
+    value, unread = spooled_value(_Record([("decision", b"{}"), refs[3].header()]))
+    assert unread is None and value.to_pybytes() == b"cc"
     assert refs[0].read().to_pybytes() == b"a" * 10
-    assert SpoolRef.of(_Record([("decision", b"{}")])) is None
+    assert spooled_value(_Record([("decision", b"{}")], b"inline")) == (b"inline", None)
 
 
 def test_nothing_is_carried_before_the_batch_stage_says_what_it_owns(tmp_path):
@@ -53,6 +54,8 @@ def test_a_reference_of_another_boot_or_past_a_files_end_or_to_a_removed_file_is
     assert replace(ref, boot="another-boot").read() is None
     assert replace(ref, length=11).read() is None
     assert replace(ref, path=str(tmp_path / "elsewhere")).read() is None
+    value, unread = spooled_value(_Record([replace(ref, path=str(tmp_path / "x")).header()]))
+    assert value is None and "not in this host's spool" in unread
     mapped = ref.read()
     Path(ref.path).unlink()
     assert ref.read() is None
@@ -134,3 +137,16 @@ def test_expired_files_of_gone_instances_are_removed_and_live_instances_kept(tmp
     os.utime(gone / "000000000001.arrow", (old, old))
     DecisionSpool.create(tmp_path)
     assert not gone.exists()
+
+
+@pytest.mark.parametrize("raw, named", [
+    (b"not json", "not JSON"),
+    (b"[1, 2]", "is not {boot"),
+    (b'{"boot": "b", "path": "p", "offset": 0}', "is not {boot"),
+    (b'{"boot": "b", "path": "p", "offset": "0", "length": 1}', "is not {boot"),
+    (b'{"boot": "b", "path": "p", "offset": true, "length": 1}', "is not {boot"),
+    (b'{"boot": "b", "path": "p", "offset": -1, "length": 1}', "negative"),
+])
+def test_a_malformed_spool_header_is_an_unread_reference_naming_the_header(raw, named):
+    value, unread = spooled_value(_Record([(HEADER, raw)], b""))
+    assert value is None and "spool header" in unread and named in unread
