@@ -28,7 +28,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from ingest.io.kafka import KafkaSettings, PartitionReader
-from ingest.processor.decisions import decision_header
+from ingest.processor.decisions import UnreadableRecord, decision_header
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
@@ -229,7 +229,10 @@ class _Follower:
                     if message.get("run_id") == self.run_id and message.get("type") == "step_sealed":
                         self.sealed.add(message["step"])
                     continue
-                header = decision_header(record)
+                try:
+                    header = decision_header(record)
+                except UnreadableRecord:  # not a group stage's: the processor dead-letters it
+                    continue
                 if header is not None and header.run_id == self.run_id:
                     self.decided[header.group_index] = header.decision
 

@@ -41,6 +41,7 @@ from ingest.processor.batch_snapshot import (
 )
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.decisions import (
+    UnreadableRecord,
     decision_header,
     decode_fragments,
     opened_notice,
@@ -266,13 +267,18 @@ class BatchStage(Stage):
             return
         merge = self.merges[record.partition]
         late = merge.late
-        mark = watermark_notice(record)
+        try:
+            mark = watermark_notice(record)
+            notice = opened_notice(record) if mark is None else None
+            item = notice if notice is not None or mark is not None else decision_header(record)
+        except UnreadableRecord as err:  # not from a group stage: a restart would meet it again
+            self.dead_letters.add(record.topic, record.partition, record.offset,
+                                  f"unreadable decisions record: {err}", record.value)
+            return
         if mark is not None:
             merge.watermark(mark["partition"], mark["at_us"], mark.get("next_offset"))
         else:
             self._applied = True
-            notice = opened_notice(record)
-            item = notice if notice is not None else decision_header(record)
             if item is None:
                 self.dead_letters.add(record.topic, record.partition, record.offset,
                                       "not a rolloutlake decision (no 'decision' header)",
@@ -333,7 +339,13 @@ class BatchStage(Stage):
                 batcher.config.reward_key, with_tokens=header.decision == "kept",
             )
         else:
-            fragments = decode_fragments(value)
+            try:
+                fragments = decode_fragments(value)
+            except UnreadableRecord as err:
+                self.dead_letters.add(release.topic, release.partition, offset,
+                                      f"unreadable decisions record: {err}", bytes(value),
+                                      run_id=header.run_id, group_index=header.group_index)
+                return
         effects = batcher.apply(DecidedGroup(header, fragments))
         self._collect(header.run_id, release.partition, release.offset, effects, pending)
 

@@ -64,10 +64,77 @@ def fragments_ipc(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+class UnreadableRecord(ValueError):
+    """A `rollout.decisions` record whose headers or value are not what a group stage
+    sends; the message names the header or field."""
+
+
+# The fields of each header, and the JSON types each may hold (None: null; float also
+# takes a whole number). The first set of each pair is the required fields: notices and
+# decisions sent before a field existed lack it.
+_DECISION_FIELDS: dict[str, tuple[Any, ...]] = {
+    "run_id": (str,), "group_index": (int,), "step": (int, None), "n_samples": (int, None),
+    "decision": (str,), "reason": (str, None), "counted": (bool,), "decided_at": (float,),
+    "first_event_at": (float,), "cancel_min_ts": (float, None), "offered": (bool,),
+    "source": (dict,), "fragments_in_archive": (bool,), "at_us": (int, None),
+}
+_DECISION_REQUIRED = {"run_id", "group_index", "step", "n_samples", "decision", "reason",
+                      "counted", "decided_at", "first_event_at"}
+_OPENED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "run_id": (str,), "group_index": (int,), "step": (int,), "at": (float,),
+    "at_us": (int,), "partition": (int,), "offset": (int,),
+}
+_OPENED_REQUIRED = {"run_id", "group_index", "step"}
+_WATERMARK_FIELDS: dict[str, tuple[Any, ...]] = {
+    "partition": (int,), "at_us": (int,), "next_offset": (int,)}
+_WATERMARK_REQUIRED = {"partition", "at_us"}
+
+
+def _is(value: Any, kind: Any) -> bool:
+    if kind is None:
+        return value is None
+    if kind is float:
+        return type(value) in (int, float)
+    return type(value) is kind  # not isinstance: JSON true is no int
+
+
+def _checked_body(record: Any, name: str, fields: dict[str, tuple[Any, ...]],
+                  required: set[str]) -> dict[str, Any] | None:
+    """The JSON object in the record's header `name`, checked against `fields`; None
+    without that header; UnreadableRecord naming what is wrong."""
+    raw = _header(record, name)
+    if raw is None:
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UnreadableRecord(f"its '{name}' header is not JSON") from None
+    if not isinstance(body, dict):
+        raise UnreadableRecord(f"its '{name}' header is not a JSON object")
+    missing, unknown = sorted(required - body.keys()), sorted(body.keys() - fields.keys())
+    if missing or unknown:
+        raise UnreadableRecord(f"its '{name}' header lacks {missing} or has unknown "
+                               f"fields {unknown}"[:300])
+    for key, value in body.items():
+        if not any(_is(value, kind) for kind in fields[key]):
+            raise UnreadableRecord(f"its '{name}' header's {key} is {str(value)[:60]!r}, of "
+                                   "the wrong type")
+    return body
+
+
 def decision_header(record: Any) -> DecisionHeader | None:
-    """The header of a `rollout.decisions` record, or None for a foreign message."""
-    value = _header(record, HEADER)
-    return None if value is None else DecisionHeader.from_json(value)
+    """The header of a `rollout.decisions` record, or None for a foreign message;
+    UnreadableRecord for one that is not what a group stage sends."""
+    body = _checked_body(record, HEADER, _DECISION_FIELDS, _DECISION_REQUIRED)
+    if body is None:
+        return None
+    if body["decision"] not in ("kept", "dropped"):
+        raise UnreadableRecord(f"its '{HEADER}' header's decision is "
+                               f"{body['decision'][:60]!r}, not kept or dropped")
+    if not all(type(v) is int for v in body.get("source", {}).values()):
+        raise UnreadableRecord(f"its '{HEADER}' header's source is not partition/offset "
+                               "numbers")
+    return DecisionHeader(**body)
 
 
 def encode_opened(opened: Opened) -> list[tuple[str, bytes]]:
@@ -79,7 +146,7 @@ def encode_opened(opened: Opened) -> list[tuple[str, bytes]]:
 
 def opened_notice(record: Any) -> Opened | None:
     """The group an `opened` notice announces, or None for any other record."""
-    body = _header_body(record, OPENED)
+    body = _checked_body(record, OPENED, _OPENED_FIELDS, _OPENED_REQUIRED)
     if body is None:
         return None
     return Opened(body["run_id"], body["group_index"], body["step"], body.get("at_us", -1),
@@ -93,12 +160,7 @@ def encode_watermark(partition: int, at_us: int, next_offset: int) -> list[tuple
 
 def watermark_notice(record: Any) -> dict[str, Any] | None:
     """The body of a `watermark` notice, or None for any other record."""
-    return _header_body(record, WATERMARK)
-
-
-def _header_body(record: Any, name: str) -> dict[str, Any] | None:
-    value = _header(record, name)
-    return None if value is None else orjson.loads(value)
+    return _checked_body(record, WATERMARK, _WATERMARK_FIELDS, _WATERMARK_REQUIRED)
 
 
 def _header(record: Any, name: str) -> bytes | None:
@@ -110,5 +172,12 @@ def _header(record: Any, name: str) -> bytes | None:
 
 
 def decode_fragments(value: bytes | pa.Buffer) -> pa.Table:
-    with pa.ipc.open_stream(pa.py_buffer(value)) as reader:
-        return reader.read_all()
+    """The FRAGMENTS table of a decision's value; UnreadableRecord for anything else."""
+    try:
+        with pa.ipc.open_stream(pa.py_buffer(value)) as reader:
+            table = reader.read_all()
+    except pa.ArrowException as err:
+        raise UnreadableRecord(f"its value is not an Arrow IPC stream ({err})"[:300]) from None
+    if not table.schema.equals(FRAGMENTS):
+        raise UnreadableRecord("its value is not a table of the decision's fragments")
+    return table

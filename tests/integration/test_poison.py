@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kafka import KafkaProducer
 
 from ingest.core.assembly import GroupBuilder
+from ingest.core.decided import DecisionHeader
 from ingest.io.kafka import KafkaSettings, key_partition
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
@@ -116,6 +117,46 @@ def test_a_record_whose_handling_fails_is_dead_lettered_not_fatal(kafka, lake_ro
     assert by_group(lake_root, run)[0]["decision"] == "kept"
     errors = [r["error"] for r in rows(lake_root, "dead_letters") if r["raw"] and b'"boom"' in r["raw"]]
     assert errors == ["cannot be processed: RuntimeError: unforeseen"]
+
+
+def test_decisions_records_no_group_stage_sends_are_dead_lettered_and_the_run_goes_on(
+        kafka, lake_root):
+    """Records on rollout.decisions that no group stage sends (another producer on the
+    topic) stopped the batch stage, and again at every restart, on the same record."""
+    run = "decisions-poison"
+    events = [started(run, 0), sample(run, 0, 0, 1.0), sample(run, 0, 1, 0.0),
+              started(run, 1), sample(run, 1, 0, 1.0), sample(run, 1, 1, 0.0)]
+    publish(kafka, run, CONFIG, events[:3])
+    ordered_at = {"source": {"partition": 0, "offset": 0}, "at_us": 1}
+    kept = DecisionHeader(run_id=run, group_index=99, step=0, n_samples=2, decision="kept",
+                          reason=None, counted=True, decided_at=1.0, first_event_at=1.0,
+                          **ordered_at)
+    hostile = [
+        ([("decision", b"not json")], b""),
+        ([("decision", orjson.dumps({"run_id": run}))], b""),
+        ([("opened", b'{"run_id": 5, "group_index": 1, "step": 0}')], b""),
+        ([("watermark", b'{"partition": "x", "at_us": 1}')], b""),
+        ([("decision", kept.to_json())], b"not an Arrow stream"),
+    ]
+    producer = kafka.producer()
+    for headers, value in hostile:
+        producer.send(kafka.topics.decisions, key=run.encode(), value=value, headers=headers)
+    producer.flush()
+    producer.close()
+    publish(kafka, run, None, events[3:])
+    run_processor(kafka, lake_root, idle_s=2.0)
+    run_processor(kafka, lake_root, idle_s=1.0)  # a restart meets none of them again
+    assert {g: r["decision"] for g, r in by_group(lake_root, run).items()} == {
+        0: "kept", 1: "kept"}
+    assert sorted(r["step"] for r in rows(lake_root, "steps", run)) == [0, 1]
+    errors = sorted(r["error"] for r in rows(lake_root, "dead_letters")
+                    if r["topic"] == kafka.topics.decisions)
+    assert len(errors) == len(hostile)
+    assert all(e.startswith("unreadable decisions record: its ") for e in errors)
+    for named in ("'decision' header is not JSON", "'decision' header lacks",
+                  "'opened' header's run_id", "'watermark' header's partition",
+                  "value is not an Arrow IPC stream"):
+        assert any(named in e for e in errors), named
 
 
 def test_an_event_id_is_unique_within_its_run_across_groups_and_restarts(kafka, lake_root):
