@@ -21,6 +21,7 @@ after a restart or take-over (up to a snapshot's worth) finds them while they ar
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -44,6 +45,7 @@ KEEP_S = 300.0
 MAX_BYTES = 1 << 30
 
 
+@functools.cache  # read once per process: every spooled decision is checked against it
 def boot_id() -> str | None:
     """This boot of this host (Linux), or None where the system does not say: a file of an
     earlier boot may have lost its last writes in a crash, so only this boot's are read."""
@@ -113,7 +115,6 @@ class DecisionSpool:
         self.folder = folder
         self.keep_s = keep_s
         self.max_bytes = max_bytes
-        self._boot = boot_id()
         self._seq = 0
         self._written: deque[tuple[Path, float, int]] = deque()  # oldest first
         self._bytes = 0
@@ -178,7 +179,8 @@ class DecisionSpool:
         chosen = [i for i, (v, p) in enumerate(zip(values, partitions, strict=True))
                   if v and p in owned]
         refs: list[SpoolRef | None] = [None] * len(values)
-        if not chosen or self._boot is None:
+        boot = boot_id()
+        if not chosen or boot is None:
             return refs
         self._seq += 1
         path = self.folder / f"{self._seq:012d}.arrow"
@@ -187,7 +189,7 @@ class DecisionSpool:
             with open(path, "wb") as file:
                 for i in chosen:
                     file.write(values[i])
-                    refs[i] = SpoolRef(self._boot, str(path), offset, len(values[i]))
+                    refs[i] = SpoolRef(boot, str(path), offset, len(values[i]))
                     offset += len(values[i])
         except OSError as err:  # a full disk: the decisions carry their fragments
             log.warning("spool %s: cannot write (%s); decisions carry their fragments", path, err)

@@ -269,8 +269,7 @@ class BatchStage(Stage):
         late = merge.late
         try:
             mark = watermark_notice(record)
-            notice = opened_notice(record) if mark is None else None
-            item = notice if notice is not None or mark is not None else decision_header(record)
+            item = None if mark is not None else opened_notice(record) or decision_header(record)
         except UnreadableRecord as err:  # not from a group stage: a restart would meet it again
             self.dead_letters.add(record.topic, record.partition, record.offset,
                                   f"unreadable decisions record: {err}", record.value)

@@ -11,10 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
-from kafka import TopicPartition
-
 from ingest.commands.simulate import SimulationConfig, run_simulation
-from ingest.io.kafka import KafkaSettings
+from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import Lake
 from ingest.io.spool import HEADER, DecisionSpool
 from ingest.processor.config import ProcessorConfig
@@ -39,19 +37,8 @@ def _topics(broker) -> KafkaSettings:
 def _decision_records(kafka: KafkaSettings, lake_root: str) -> list:
     """The decisions records the lake's group stage sent (the topic is shared)."""
     lake_id = str(Lake(lake_root).refresh("events").metadata().id).encode()
-    consumer = kafka.consumer()
-    partitions = [TopicPartition(kafka.topics.decisions, p) for p in (0, 1)]
-    consumer.assign(partitions)
-    consumer.seek_to_beginning()
-    ends = consumer.end_offsets(partitions)
-    records = []
-    try:
-        while any(consumer.position(tp) < ends[tp] for tp in partitions):
-            for batch in consumer.poll(timeout_ms=500).values():
-                records += batch
-    finally:
-        consumer.close()
-    return [r for r in records
+    return [r for r in read_topics(kafka, [kafka.topics.decisions], what="the test",
+                                   timeout_s=60)
             if (LAKE, lake_id) in r.headers and any(k == "decision" for k, _ in r.headers)]
 
 
