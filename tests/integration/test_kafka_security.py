@@ -23,7 +23,7 @@ from ingest.io.kafka import KafkaSettings
 from schemas.errors import BrokerUnavailableError
 from tests.integration.pipeline import event, publish, rows, sample
 from tests.support.coalescing_proxy import coalescing_proxy
-from tests.support.suite_kafka import SUITE_BROKER_START_S
+from tests.support.suite_kafka import SUITE_BOOTSTRAP_TIMEOUT_MS, SUITE_BROKER_START_S
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
 PLAIN_USER, PLAIN_PASSWORD = "gateway", f"plain-{uuid.uuid4().hex}"
@@ -124,7 +124,10 @@ def test_scram_over_tls_carries_a_run_into_delta(secured, tmp_path):
                         event_partitions=1, decision_partitions=1,
                         security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
                         sasl_username=SCRAM_USER, sasl_password=SCRAM_PASSWORD,
-                        ssl_cafile=secured.ca)
+                        ssl_cafile=secured.ca,
+                        # the suite's: a SCRAM and TLS handshake on a loaded CI machine
+                        # took longer than the 5 s default (a clean-clone run)
+                        bootstrap_timeout_ms=SUITE_BOOTSTRAP_TIMEOUT_MS)
     sdk.ensure_topics()
     run = "secured-run"
     publish(sdk, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
