@@ -306,13 +306,27 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
     members = []
     try:
         group = stage.health.group_id
-        slow = member(kafka, group, max_poll_interval_ms=8000)  # joins, then stops polling
+        # Joins, then stops polling: it holds a rebalance for its max.poll.interval, after
+        # which it leaves the group. Long enough that a loaded machine still gets the
+        # joiner's rebalance started before then (at 8 s it once did not).
+        slow = member(kafka, group, max_poll_interval_ms=15000)
         members.append(slow)
         deadline = time.monotonic() + 60
         while not slow.assignment():
             assert time.monotonic() < deadline, "the slow member did not join"
             stage.poll_once()  # the stage has to rejoin for the slow member to join
             poll_in_group(slow, 50, join_wait_ms=SESSION_TIMEOUT_MS)
+        # The joiner's rebalance revokes the stage's partition. Noted as it happens: a
+        # rebalance that ends within one poll gives the partition back before `owned` is seen.
+        revoked = threading.Event()
+        revoke = stage.on_partitions_revoked
+
+        def noted(partitions):
+            if partitions:
+                revoked.set()
+            revoke(partitions)
+
+        stage.on_partitions_revoked = noted  # type: ignore[method-assign]
         joiner = member(kafka, group)
         members.append(joiner)
         stop = threading.Event()
@@ -321,7 +335,7 @@ def test_until_idle_waits_out_a_rebalance_that_waits_for_a_slow_member(broker, t
                                                    for _ in iter(stop.is_set, True)])
         joining.start()
         try:
-            while stage.owned:  # the joiner's rebalance revokes the stage's partition
+            while not revoked.is_set():
                 assert time.monotonic() < deadline + 60, "no rebalance revoked the partition"
                 stage.poll_once()
             while idle_for([stage]) < 2.0:  # --until-idle 2
