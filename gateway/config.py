@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ingest.io.kafka import KafkaSettings
-from ingest.io.lake import LakePath
+from ingest.io.lake_location import LakePath
 from schemas.config import build_config, setting_name
 from schemas.errors import ConfigError
 

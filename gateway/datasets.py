@@ -28,7 +28,7 @@ from deltalake.exceptions import TableNotFoundError
 from pydantic import BaseModel
 
 from ingest.core.dataset_rows import BadRow, DatasetOptions, convert_row, jsonl_objects
-from ingest.io.lake import lake_storage_options
+from ingest.io.lake_location import lake_storage_options
 from schemas.errors import InvalidInputError, NotFoundError, UnsupportedFormatError
 from schemas.tables import DATASET_ROWS
 

@@ -19,7 +19,7 @@ from schemas.errors import RolloutlakeError
 COMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("ingest.io.broker", "run an embedded broker on loopback (Tansu, or Apache Kafka)"),
     "schemas": ("schemas.export", "export JSON Schemas of events, print Delta table schemas"),
-    "process": ("ingest.processor.main", "run the stream processor (events -> Delta batches)"),
+    "process": ("ingest.processor.command", "run the stream processor (events -> Delta batches)"),
     "simulate": ("ingest.commands.simulate", "publish simulated rollout runs (load generator)"),
     "demo": ("ingest.commands.demo", "the whole RL loop: a tiny policy learns a task (--simulate: the simulated pipeline)"),
     "replay": ("ingest.commands.replay", "re-derive a run's decisions and batches from the events archive"),

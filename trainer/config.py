@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ingest.io.kafka import KafkaSettings
-from ingest.io.lake import LakePath
+from ingest.io.lake_location import LakePath
 from schemas.config import ExistingFile
 from schemas.dotted import DottedPath
 from schemas.errors import ConfigError

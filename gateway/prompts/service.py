@@ -53,8 +53,9 @@ from gateway.prompts.checkpoints import CursorCheckpoints, RecycledSamples
 from gateway.prompts.cursor import Cursor, Issued, roll_forward, take
 from gateway.prompts.wal import read_group_log
 from gateway.runs import RunInfo, RunRegistry
-from ingest.io.kafka import Record, event_record
+from ingest.io.kafka import Record
 from ingest.io.lake import Lake
+from ingest.sdk.publisher import event_record
 from schemas.errors import ConflictError, NotFoundError
 from schemas.events import parse_event
 

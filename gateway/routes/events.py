@@ -16,7 +16,8 @@ from gateway.errors import ApiError
 from gateway.observability import GatewayMetrics
 from gateway.producer import GatewayProducer
 from gateway.responses import AUTH, errors
-from ingest.io.kafka import Record, event_record
+from ingest.io.kafka import Record
+from ingest.sdk.publisher import event_record
 from schemas.errors import BrokerUnavailableError, EventTooLargeError, EventValidationError
 from schemas.events import AnyEvent, load_json, parse_event
 

@@ -23,7 +23,7 @@ from gateway.deps import (
 from gateway.errors import ApiError
 from gateway.responses import AUTH, errors
 from gateway.runs import RunInfo
-from ingest.io.kafka import event_record
+from ingest.sdk.publisher import event_record
 from schemas.errors import EventValidationError
 from schemas.events import RunId
 

@@ -35,8 +35,7 @@ from pydantic import (
 )
 
 from ingest.io.kafka_transport import deliver_bytes_before_close
-from schemas.errors import BrokerUnavailableError, EventTooLargeError, RolloutlakeError
-from schemas.events import AnyEvent, RunStarted, encode_event, event_group_key
+from schemas.errors import BrokerUnavailableError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -300,21 +299,6 @@ class Topics:
     def with_prefix(cls, prefix: str) -> Topics:
         base = cls()
         return cls(**{name: f"{prefix}{value}" for name, value in base.__dict__.items()})
-
-
-def event_record(event: AnyEvent, topics: Topics, *, max_bytes: int = MAX_EVENT_BYTES) -> Record:
-    """`event` encoded for its topic and key (CONTRACT section 1): `run_started` on the runs
-    topic keyed by run, every other event on the events topic keyed `run_id:group_index`
-    (one partition per group). EventTooLargeError above `max_bytes` encoded."""
-    value = encode_event(event)
-    if len(value) > max_bytes:
-        raise EventTooLargeError(
-            f"{event.type} event {event.event_id!r} is {len(value)} bytes encoded; "
-            f"the limit is {max_bytes} bytes"
-        )
-    if isinstance(event, RunStarted):
-        return topics.runs, event.run_id.encode(), value
-    return topics.events, event_group_key(event.run_id, event.group_index), value
 
 
 class KafkaSettings(BaseModel):

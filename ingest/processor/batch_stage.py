@@ -48,6 +48,7 @@ from ingest.processor.decisions import (
     sender_lake,
     watermark_notice,
 )
+from ingest.processor.membership import GroupMember
 from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.control import Demand, StepSealed
@@ -89,8 +90,9 @@ class BatchStage(Stage):
     # dead_letters (raw messages, up to 8 MiB each, rare).
     compacted_tables = ("samples", "groups", "steps", "step_metrics")
 
-    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None):
-        super().__init__(config, lake, topic=config.kafka.topics.decisions, role="batches")
+    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None,
+                 member: GroupMember | None = None):
+        super().__init__(config, lake, role="batches", member=member)
         # Where this instance's group stage learns which decisions partitions are read here
         # (it leaves their fragments in the spool, `ingest/io/spool.py`).
         self.spool = spool

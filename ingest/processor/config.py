@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ingest.io.kafka import KafkaSettings
-from ingest.io.lake import LakePath
+from ingest.io.lake_location import LakePath
 
 
 class ProcessorConfig(BaseModel):

@@ -43,6 +43,7 @@ from ingest.processor.decisions import (
     encode_watermark,
     lake_header,
 )
+from ingest.processor.membership import GroupMember
 from ingest.processor.offsets import app_id
 from ingest.processor.stage import Stage
 from schemas.errors import EventValidationError
@@ -153,8 +154,9 @@ class GroupStage(Stage):
     # behind them) slow down as a long run's files accumulate.
     compacted_tables = ("events",)
 
-    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None):
-        super().__init__(config, lake, topic=config.kafka.topics.events, role="groups")
+    def __init__(self, config: ProcessorConfig, lake: Lake, spool: DecisionSpool | None = None,
+                 member: GroupMember | None = None):
+        super().__init__(config, lake, role="groups", member=member)
         self.spool = spool  # where decisions for this instance's batch stage leave fragments
         self.pending: dict[GroupKey, _Pending] = {}
         self.decided: dict[GroupKey, set[str]] = {}  # decided group -> its event ids

@@ -2,22 +2,31 @@
 
 `rolloutlake process` runs the batch stage in a spawned child (delta-rs must not be
 forked), and a spawned interpreter imports pyarrow, deltalake, pydantic and kafka-python
-again: 0.6-1.6 s by load. Parsing the flags imports the same modules in the parent, so a
-child started after the parse makes the two import passes run one after the other. The
-CLI therefore calls `prestart` before it parses: both processes import side by side on
-two cores, and the parent sends the child its configuration once it has one (or kills
-it, if the flags turn out to want no child). On a machine without a core to spare the
-child imports only once the configuration has come, while the parent waits for its
-consumer-group join, as a child started after the parse did. This module imports
-nothing heavy.
+again: 0.6-1.6 s by load. The CLI therefore calls `prestart` before it parses, and the
+child goes through the same steps as the parent, side by side on two cores:
+
+1. it imports what parsing the flags and joining a consumer group need (pydantic,
+   kafka-python), and waits for its configuration, which the parent sends (`configure`)
+   once it parsed its flags and the topics exist, or kills it, if the flags turn out to
+   want no child;
+2. it starts its consumer-group join (`membership.GroupMember`), then imports the
+   processor's heavy modules while the broker holds the join;
+3. it builds its stage once the parent says the tables exist (`tables_ready`: two
+   processes creating one Delta table would race).
+
+On a machine without a core to spare the child imports only once the configuration has
+come, since its imports would slow the parent's, which come first on the way to the first
+batch. This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -31,6 +40,8 @@ if TYPE_CHECKING:
 
 # Flags after which the processor runs no batch-stage child (or runs nothing at all).
 _NO_CHILD_FLAGS = ("-h", "--help", "--single-process", "--stages")
+
+CHILD_REPORTED = 2  # exit code of a batch-stage child that sent its one-line error to the parent
 
 _prestarted: BatchChild | None = None
 
@@ -50,12 +61,16 @@ class BatchChild:
         # Not configured by the time the parent exits (bad flags, --help): nothing to wait for.
         atexit.register(self.cancel)
 
-    def configure(self, config: ProcessorConfig, kafka_log_level: int,
-                  spool_folder: Path | None) -> None:
-        """From now on the child runs the batch stage of `config`, with the parent's spool."""
+    def configure(self, config: ProcessorConfig, kafka_log_level: int) -> None:
+        """The child runs the batch stage of `config`: it starts its consumer-group join
+        now, and builds the stage once `tables_ready` says the tables exist."""
         atexit.unregister(self.cancel)
         # The model itself, pickled: a JSON dump would mask its secrets (SASL password).
-        self._send.send((config, kafka_log_level, spool_folder))
+        self._send.send((config, kafka_log_level))
+
+    def tables_ready(self, spool_folder: Path | None) -> None:
+        """Every table exists: the child builds its stage, with the parent's spool."""
+        self._send.send(spool_folder)
         self._send.close()
 
     def reported_error(self) -> str | None:
@@ -98,13 +113,31 @@ def _child_main(receive: Connection, report: Connection, parent_pid: int) -> Non
     signal.signal(signal.SIGTERM, lambda *_: drain_asked.set())
     if os.getloadavg()[0] >= (os.cpu_count() or 1):
         # No core to spare: importing now would slow the parent's imports, which come first
-        # on the way to the first batch. Import once the configuration comes instead, while
-        # the parent's group stage waits for its consumer-group join.
+        # on the way to the first batch. Import once the configuration comes instead.
         receive.poll(None)
-    from ingest.processor.main import run_batch_stage
+    from ingest.processor.membership import GroupMember
+    from schemas.errors import RolloutlakeError
 
     try:
-        config, kafka_log_level, spool_folder = receive.recv()
+        config, kafka_log_level = receive.recv()
     except EOFError:  # the parent went away before it had a configuration
         return
-    run_batch_stage(config, kafka_log_level, spool_folder, drain_asked, report)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
+    try:
+        member = GroupMember(config, "batches")
+        from ingest.processor.main import run_batch_stage  # while the broker holds the join
+
+        try:
+            spool_folder = receive.recv()
+        except EOFError:  # the parent failed before its tables existed, and says why
+            member.close()
+            return
+        code = run_batch_stage(config, spool_folder, member, drain_asked)
+    except RolloutlakeError as err:
+        # Said by the parent, unless it stops on an error of its own: flags the broker or
+        # the lake refuses are refused to both stages at once, and the user reads it once.
+        report.send(str(err))
+        sys.exit(CHILD_REPORTED)
+    sys.exit(code)

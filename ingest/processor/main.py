@@ -8,14 +8,11 @@ the decisions still in flight, close its steps and exit.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ingest.io.allocator import reuse_large_buffers
@@ -25,9 +22,9 @@ from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.health import FreezeWatch, write_status
-from ingest.processor.launch import BatchChild, take_prestarted
+from ingest.processor.launch import CHILD_REPORTED, BatchChild
+from ingest.processor.membership import STAGE_ROLES, GroupMember, Role, start_members
 from ingest.processor.wandb_sink import follow_all_runs
-from schemas.config import add_config_flags, config_from_args
 from schemas.errors import RolloutlakeError
 
 log = logging.getLogger(__name__)
@@ -39,7 +36,6 @@ STATUS_EVERY_S = 1.0
 # finish; the batch stage gives up on its own only when the parent could not.
 CHILD_GRACE_S = 15.0
 CLOSE_TIMEOUT_S = 5.0
-CHILD_REPORTED = 2  # exit code of a batch-stage child that sent its one-line error to the parent
 
 
 def idle_for(stages: Sequence[GroupStage | BatchStage], read_since: float = 0.0) -> float:
@@ -65,29 +61,47 @@ class Processor:
 
     def __init__(self, config: ProcessorConfig,
                  tables_ready: Callable[[], None] | None = None,
-                 spool: DecisionSpool | None = None):
+                 spool: DecisionSpool | None = None,
+                 members: Mapping[Role, GroupMember] | None = None):
         """`tables_ready` is called once every table and topic exists, before the stages
         are built. `spool` is the instance's spool where another process made it (a
-        split processor); running both stages, the processor makes its own."""
+        split processor); running both stages, the processor makes its own. `members`
+        are the stages' consumer-group members where the caller started them already
+        (the CLI, before it imported this module); otherwise they start here, once the
+        topics exist, and join while the tables are made and the stages built."""
         reuse_large_buffers()  # both processes handle megabyte buffers by the thousand
         self.config = config
-        self.lake = Lake(config.lake)
-        for table in ("events", "groups", "samples", "training_batches", "steps",
-                      "step_metrics", "dead_letters", "runs", "batch_state"):
-            self.lake.ensure(table)
-        config.kafka.ensure_topics()
-        if tables_ready is not None:
-            tables_ready()
-        self.stop_event = threading.Event()
-        self.own_spool = spool is None and config.spool and config.stages == "all"
-        if self.own_spool:
-            spool = DecisionSpool.create(config.spool_dir)
-        self.spool = spool
+        if members is None:
+            config.kafka.ensure_topics()
+            members = start_members(config, STAGE_ROLES[config.stages])
+        waiting = dict(members)
         self.stages: list[GroupStage | BatchStage] = []
-        if config.stages in ("all", "groups"):
-            self.stages.append(GroupStage(config, Lake(config.lake), spool))
-        if config.stages in ("all", "batches"):
-            self.stages.append(BatchStage(config, Lake(config.lake), spool))
+        self.own_spool = spool is None and config.spool and config.stages == "all"
+        try:
+            self.lake = Lake(config.lake)
+            for table in ("events", "groups", "samples", "training_batches", "steps",
+                          "step_metrics", "dead_letters", "runs", "batch_state"):
+                self.lake.ensure(table)
+            if tables_ready is not None:
+                tables_ready()
+            if self.own_spool:
+                spool = DecisionSpool.create(config.spool_dir)
+            self.spool = spool
+            if "groups" in waiting:
+                self.stages.append(GroupStage(config, Lake(config.lake), spool,
+                                              waiting.pop("groups")))
+            if "batches" in waiting:
+                self.stages.append(BatchStage(config, Lake(config.lake), spool,
+                                              waiting.pop("batches")))
+        except BaseException:
+            for member in waiting.values():
+                member.close()
+            for stage in self.stages:
+                stage.close(timeout_s=CLOSE_TIMEOUT_S)
+            if self.own_spool and spool is not None:
+                spool.remove()
+            raise
+        self.stop_event = threading.Event()
         self.errors: list[BaseException] = []
         self.drain_asked_at: float | None = None
         self.wandb_stop = threading.Event()
@@ -174,50 +188,39 @@ class Processor:
             self.drain_asked_at = time.monotonic()
 
 
-def run_batch_stage(config: ProcessorConfig, kafka_log_level: int, spool_folder: Path | None,
-                    drain_asked: threading.Event, report: Connection) -> None:
-    """The batch stage of `config`, run by the child process (`launch.BatchChild`), with
-    the parent's spool folder; `drain_asked` is set when the parent asked it to drain
-    before the stage existed. The one-line error it stops on goes to the parent through
-    `report`."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(kafka_log_level)  # as in the parent
-    try:
-        processor = Processor(config.model_copy(update={
-            "stages": "batches", "until_idle_s": None,
-            "broker_timeout_s": config.broker_timeout_s + CHILD_GRACE_S,
-            "join_timeout_s": config.join_timeout_s + CHILD_GRACE_S}),
-            spool=None if spool_folder is None else DecisionSpool(spool_folder))
-        for stage in processor.stages:  # the parent says it to the user
-            stage.health.report_level = logging.INFO
-        signal.signal(signal.SIGTERM, processor.drain)
-        if drain_asked.is_set():
-            processor.drain()
-        code = processor.run()
-    except RolloutlakeError as err:
-        # Said by the parent, unless it stops on an error of its own: flags the broker or
-        # the lake refuses are refused to both stages at once, and the user reads it once.
-        report.send(str(err))
-        sys.exit(CHILD_REPORTED)
-    sys.exit(code)
+def run_batch_stage(config: ProcessorConfig, spool_folder: Path | None, member: GroupMember,
+                    drain_asked: threading.Event) -> int:
+    """The batch stage of `config`, run by the child process (`launch.BatchChild`) with the
+    parent's spool folder and the member it started joining; `drain_asked` is set when the
+    parent asked it to drain before the stage existed. Returns the exit code."""
+    processor = Processor(config.model_copy(update={
+        "stages": "batches", "until_idle_s": None,
+        "broker_timeout_s": config.broker_timeout_s + CHILD_GRACE_S,
+        "join_timeout_s": config.join_timeout_s + CHILD_GRACE_S}),
+        spool=None if spool_folder is None else DecisionSpool(spool_folder),
+        members={"batches": member})
+    for stage in processor.stages:  # the parent says it to the user
+        stage.health.report_level = logging.INFO
+    signal.signal(signal.SIGTERM, processor.drain)
+    if drain_asked.is_set():
+        processor.drain()
+    return processor.run()
 
 
-def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
-    """Group stage here, batch stage in a child process (`child`, when one was started
-    already); returns the exit code."""
-    child = child or BatchChild()
-    kafka_log_level = logging.getLogger("kafka").getEffectiveLevel()
+def run_split(config: ProcessorConfig, child: BatchChild,
+              members: Mapping[Role, GroupMember] | None = None) -> int:
+    """Group stage here, batch stage in `child`, configured already (its join started);
+    `members` holds the group stage's member where it started joining already. Returns
+    the exit code."""
     spool = DecisionSpool.create(config.spool_dir) if config.spool else None
     try:
         # The child writes the metrics and closes the last steps, so it runs the W&B sink.
-        # It is configured once the tables exist (two processes creating one Delta table
-        # would race), and builds its stage, joining its group, while this one builds its own.
+        # It builds its stage once the tables exist (two processes creating one Delta
+        # table would race), while this one builds its own.
         groups = Processor(
             config.model_copy(update={"stages": "groups", "wandb": False}),
-            tables_ready=lambda: child.configure(
-                config, kafka_log_level, None if spool is None else spool.folder),
-            spool=spool)
+            tables_ready=lambda: child.tables_ready(None if spool is None else spool.folder),
+            spool=spool, members=members)
     except BaseException:
         child.cancel()
         if spool is not None:
@@ -257,23 +260,3 @@ def run_split(config: ProcessorConfig, child: BatchChild | None = None) -> int:
     if process.exitcode:
         raise RolloutlakeError(f"the batch stage exited with code {process.exitcode}")
     return code
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_flags(parser, ProcessorConfig)
-
-
-def run(args: argparse.Namespace) -> int:
-    config = config_from_args(ProcessorConfig, args)
-    if not getattr(args, "verbose", False):
-        # kafka-python logs every reconnect attempt; the stages say it once (health.py)
-        logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    child = take_prestarted()
-    if config.stages == "all" and not config.single_process:
-        return run_split(config, child)
-    if child is not None:
-        child.cancel()
-    processor = Processor(config)
-    signal.signal(signal.SIGTERM, processor.stop)
-    signal.signal(signal.SIGINT, processor.stop)
-    return processor.run()

@@ -8,9 +8,8 @@ Delta, seeks) at the top of its next `poll_once`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow.compute as pc
@@ -21,7 +20,6 @@ from ingest.io.kafka import (
     close_producer,
     fetch_position,
     poll_in_group,
-    subscribe_once_listed,
     unacknowledged,
 )
 from ingest.io.lake import BackgroundCompaction, Lake
@@ -34,17 +32,17 @@ from ingest.processor.health import (
     broker_reachable,
     topic_id,
 )
+from ingest.processor.membership import (
+    SESSION_TIMEOUTS_MS,
+    GroupMember,
+    Role,
+    group_consumer,
+)
 from ingest.processor.run_configs import RunConfigs
 from schemas.errors import BrokerUnavailableError, ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 10.0
-TOPIC_WAIT_S = 10.0
-# Session timeouts a stage joins with, in order, while --session-timeout-ms is not given:
-# Tansu answers a join after about half the session timeout (in whole seconds, at least
-# one), most of a processor's start-up at 6 s; Apache Kafka refuses less than its
-# group.min.session.timeout.ms, 6000 by default.
-SESSION_TIMEOUTS_MS = (2000, 6000)
 # How often a stage compares its positions with the end offsets (`idle` needs them
 # reached), and after how many seconds of empty polls behind them it says why and, unless
 # those partitions are paused, joins again with a new consumer (a fetch that never
@@ -57,46 +55,6 @@ STALL_REPORT_S = 10.0
 REJOIN_AFTER_S = 30.0
 
 
-class HeldRebalanceCallbacks(ConsumerRebalanceListener):
-    """A stage's rebalance listener while the stage is still being built.
-
-    kafka-python calls the listener of a join on its network thread: before the JoinGroup
-    (revoking what the member had, nothing at first) and once assigned, which can be
-    before the stage's subclass has its state. The calls are held, in order, until
-    `release` (the stage's first poll); from then on they go straight to the stage.
-    """
-
-    def __init__(self, stage: Stage):
-        self._stage = stage
-        self._lock = threading.Lock()
-        self._held: list[tuple[str, set[TopicPartition]]] | None = []
-        self.assigned = threading.Event()  # a join completed (its assignment may be empty)
-
-    def _call(self, name: str, partitions: set[TopicPartition]) -> None:
-        with self._lock:
-            if self._held is not None:
-                self._held.append((name, set(partitions)))
-                return
-        getattr(self._stage, name)(partitions)
-
-    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        self._call("on_partitions_revoked", revoked)
-
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._call("on_partitions_assigned", assigned)
-        self.assigned.set()
-
-    def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
-        self._call("on_partitions_lost", lost)
-
-    def release(self) -> None:
-        # Under the lock: a call that comes meanwhile waits, and follows the held ones.
-        with self._lock:
-            held, self._held = self._held or [], None
-            for name, partitions in held:
-                getattr(self._stage, name)(partitions)
-
-
 class TopicUnreadableError(RolloutlakeError):
     """A partition that could not be read to check it (`Stage.check_continuity`)."""
 
@@ -107,22 +65,43 @@ class Stage(ConsumerRebalanceListener):
     # The tables the stage appends to every poll, kept few-files by BackgroundCompaction.
     compacted_tables: tuple[str, ...] = ()
 
-    def __init__(self, config: ProcessorConfig, lake: Lake, *, topic: str, role: str):
+    def __init__(self, config: ProcessorConfig, lake: Lake, *, role: Role,
+                 member: GroupMember | None = None):
+        """`member` is the stage's consumer-group member where the caller started its join
+        already (`membership.start_members`); otherwise the stage starts it first. Either
+        way the rest of the stage (the runs, the subclass's state, the imports of its first
+        table reads) is built while the broker holds the join, and the first `poll_once`
+        takes its outcome. The stage owns the member from here on, and closes it when it
+        fails to build."""
+        if member is None:
+            member = GroupMember(config, role)
         self.config = config
         self.lake = lake
-        self.compaction = BackgroundCompaction(lake, self.compacted_tables, config.compact_every)
-        # Which lake this is, as the decisions records name it (decisions.LAKE)
-        self.lake_id = str(lake.refresh("events").metadata().id)
-        self.topics = config.kafka.topics
-        # Decisions stay on loopback or a LAN inside the deployment: compressing them costs
-        # more CPU on both stages than it saves on the wire.
-        self.producer = config.kafka.producer(compression_type=None)
-        self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
-        self.group_id = f"{config.group_prefix}-{role}"
+        self.group_id, self.topic = member.group_id, member.topic
+        self.session_timeout_ms = member.session_timeout_ms
+        self.member = member  # until the first poll takes its outcome
+        self.consumer = member.consumer
         self.health = StageHealth(role, self.group_id, config.kafka.bootstrap_servers,
                                   config.broker_timeout_s, config.join_timeout_s)
-        self.topic = topic
-        self.session_timeout_ms = config.session_timeout_ms or SESSION_TIMEOUTS_MS[0]
+        self.health.session_timeout_ms = self.session_timeout_ms
+        self.producer: Any = None
+        try:
+            self.compaction = BackgroundCompaction(lake, self.compacted_tables,
+                                                   config.compact_every)
+            # Which lake this is, as the decisions records name it (decisions.LAKE)
+            self.lake_id = str(lake.refresh("events").metadata().id)
+            self.topics = config.kafka.topics
+            # Decisions stay on loopback or a LAN inside the deployment: compressing them
+            # costs more CPU on both stages than it saves on the wire.
+            self.producer = config.kafka.producer(compression_type=None)
+            self.dead_letters = DeadLetters(lake, self.producer, self.topics.deadletter)
+            # The group stage, which archives run_started events, keeps the runs table.
+            self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
+        except BaseException:
+            member.close()
+            if self.producer is not None:
+                self.producer.close()
+            raise
         self.topic_id: Any = None  # the broker's id of `topic` when it was taken over
         self.connections: set[Any] = set()  # the consumer's, as of the last poll
         self.freezes = FreezeWatch.freezes()  # as of the last poll
@@ -150,69 +129,11 @@ class Stage(ConsumerRebalanceListener):
         self.empty_polls = 0  # in a row
         self.unowned_polls = 0  # in a row, with an assigned partition not taken over
         self.stall_reported_at = 0
-        # The group's join is most of a start-up (Tansu holds a JoinGroup for half the
-        # session timeout): it starts now, on a thread of its own, and the rest of this
-        # stage (the runs, the subclass's state, the imports of its first table reads) is
-        # built while the broker holds it. The first `poll_once` takes its outcome.
-        self._held = HeldRebalanceCallbacks(self)
-        try:
-            self.consumer = self._member(self._held)
-        except RolloutlakeError:
-            self.producer.close()
-            raise
-        self._first_poll: Future[dict] | None = self._poll_ahead()
-        try:
-            # The group stage, which archives run_started events, keeps the runs table.
-            self.runs = RunConfigs(config.kafka, self.dead_letters, lake, save=role == "groups")
-        except BaseException:
-            self._abandon_first_poll()
-            self.consumer.close()
-            self.producer.close()
-            raise
-
-    def _poll_ahead(self) -> Future[dict]:
-        """The stage's first polls, started now on a thread of its own: until its group's
-        join completes (the coordinator is found by a first short poll, which leaves the
-        join in flight; the next one waits for it), or for one join wait at most, after
-        which the stage's own polls go on, watching the broker and the join's time."""
-        first: Future[dict] = Future()
-
-        def poll() -> None:
-            deadline = time.monotonic() + self.session_timeout_ms / 1000
-            try:
-                polled: dict = {}
-                while (not polled and not self._held.assigned.is_set()
-                       and time.monotonic() < deadline):
-                    polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
-                                           join_wait_ms=self.session_timeout_ms)
-                first.set_result(polled)
-            except BaseException as err:  # the stage's thread raises it, as from its own poll
-                first.set_exception(err)
-
-        threading.Thread(target=poll, name=f"{self.health.role}-join", daemon=True).start()
-        return first
-
-    def _abandon_first_poll(self) -> None:
-        """Wait for a first poll the stage will not take (it stops or failed before), so
-        that its consumer can be closed: the consumer is not for two threads at once."""
-        first, self._first_poll = self._first_poll, None
-        if first is not None:
-            wait([first])
 
     def _member(self, listener: ConsumerRebalanceListener) -> Any:
-        """A consumer subscribed to the stage's topic in its group, at `session_timeout_ms`,
-        with `listener` for its rebalances."""
-        consumer = self.config.kafka.consumer(
-            group_id=self.group_id,
-            session_timeout_ms=self.session_timeout_ms,
-            heartbeat_interval_ms=max(500, self.session_timeout_ms // 3),
-            max_poll_records=self.config.max_poll_records,
-        )
-        try:
-            subscribe_once_listed(consumer, self.topic, listener, timeout_s=TOPIC_WAIT_S)
-        except RolloutlakeError:
-            consumer.close()
-            raise
+        """A new consumer of the stage's group, at `session_timeout_ms`, with `listener`."""
+        consumer = group_consumer(self.config, self.group_id, self.topic,
+                                  self.session_timeout_ms, listener)
         self.health.session_timeout_ms = self.session_timeout_ms
         return consumer
 
@@ -249,12 +170,12 @@ class Stage(ConsumerRebalanceListener):
         """One poll: take over new partitions, process what arrived, commit. Returns count."""
         self.runs.refresh()
         try:
-            if self._first_poll is not None:
-                first, self._first_poll = self._first_poll, None
+            first = self.member.take_first_poll()
+            if first is not None:
                 try:
                     polled = first.result()
                 finally:  # the stage is whole now: its callbacks can run
-                    self._held.release()
+                    self.member.listener.release(self)
             else:
                 # A join gets up to the session timeout: Tansu answers it after half of that.
                 polled = poll_in_group(self.consumer, self.config.poll_timeout_ms,
@@ -610,7 +531,7 @@ class Stage(ConsumerRebalanceListener):
             # Only on the way out after an error: what was not sent is re-derived from the
             # lake on restart.
             log.info("%s stage: unsent messages dropped at exit", self.health.role)
-        self._abandon_first_poll()
+        self.member.abandon_first_poll()
         self.consumer.close(timeout_ms=timeout_ms)
         self.runs.close()
         self.compaction.close()

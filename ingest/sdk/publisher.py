@@ -22,14 +22,37 @@ from kafka.producer.future import FutureRecordMetadata
 from ingest.io.kafka import (
     MAX_EVENT_BYTES,
     KafkaSettings,
+    Record,
+    Topics,
     close_producer,
-    event_record,
     unacknowledged,
 )
-from schemas.errors import BrokerUnavailableError
-from schemas.events import SCHEMA_VERSION, AnyEvent, parse_event
+from schemas.errors import BrokerUnavailableError, EventTooLargeError
+from schemas.events import (
+    SCHEMA_VERSION,
+    AnyEvent,
+    RunStarted,
+    encode_event,
+    event_group_key,
+    parse_event,
+)
 
 _UNSET: Any = object()
+
+
+def event_record(event: AnyEvent, topics: Topics, *, max_bytes: int = MAX_EVENT_BYTES) -> Record:
+    """`event` encoded for its topic and key (CONTRACT section 1): `run_started` on the runs
+    topic keyed by run, every other event on the events topic keyed `run_id:group_index`
+    (one partition per group). EventTooLargeError above `max_bytes` encoded."""
+    value = encode_event(event)
+    if len(value) > max_bytes:
+        raise EventTooLargeError(
+            f"{event.type} event {event.event_id!r} is {len(value)} bytes encoded; "
+            f"the limit is {max_bytes} bytes"
+        )
+    if isinstance(event, RunStarted):
+        return topics.runs, event.run_id.encode(), value
+    return topics.events, event_group_key(event.run_id, event.group_index), value
 
 
 class RolloutPublisher:

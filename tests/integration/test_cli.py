@@ -19,8 +19,7 @@ from ingest.cli import COMMANDS
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.lake import Lake
 from ingest.processor.config import ProcessorConfig
-from ingest.processor.launch import BatchChild
-from ingest.processor.main import CHILD_REPORTED
+from ingest.processor.launch import CHILD_REPORTED, BatchChild
 from tests.integration.pipeline import ordered_kafka, run_processor
 
 READS_THE_LAKE = pytest.mark.one_broker("replay and audit read the lake; the broker only builds it")
@@ -344,6 +343,43 @@ def test_a_session_timeout_the_broker_refuses_is_one_line(broker, tmp_path):
         assert result.returncode == 0, result.stderr
 
 
+# Runs `rolloutlake process` with every consumer-group member's start noted on stdout,
+# with the lake's modules loaded by then.
+_WATCHED_JOINS = """
+import sys
+from ingest import cli
+from ingest.processor import membership
+
+start = membership.GroupMember.__init__
+
+def noted(self, config, role):
+    loaded = [m for m in ("numpy", "pyarrow", "deltalake") if m in sys.modules]
+    print("member", role, *loaded, flush=True)
+    start(self, config, role)
+
+membership.GroupMember.__init__ = noted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_the_group_stage_starts_joining_before_the_lake_modules_load(broker, tmp_path):
+    """Most of a start is the consumer groups' joins (Tansu holds a JoinGroup for half the
+    session timeout): the group stage's member starts joining before deltalake, pyarrow
+    and numpy load, so their imports and the tables happen while the broker holds it."""
+    sim = SimulationConfig(run_id="early-join", steps=1, rollout_batch_size=1, n_samples=2,
+                           response_len_mean=8, prompt_len=4, seed=3, mode="open")
+    kafka = ordered_kafka(broker.bootstrap_servers, f"ej{os.getpid()}.")
+    run_simulation(kafka, sim)
+    lake = tmp_path / "lake"
+    result = subprocess.run(
+        [sys.executable, "-c", _WATCHED_JOINS, "process", "--lake", str(lake),
+         "--bootstrap-servers", broker.bootstrap_servers, "--topic-prefix", kafka.topic_prefix,
+         "--until-idle-s", "1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["member groups"]  # the child's is its own process
+    assert Lake(str(lake)).read("steps", columns=["step"]).num_rows == sim.steps
+
+
 @pytest.mark.one_broker("only Apache Kafka refuses a session timeout", engine="kafka")
 def test_a_batch_stage_child_sends_its_error_to_the_parent_at_once(broker, tmp_path, capfd):
     """Both stages meet a refused flag at once; the parent says it (its own error first),
@@ -352,7 +388,8 @@ def test_a_batch_stage_child_sends_its_error_to_the_parent_at_once(broker, tmp_p
     kafka = ordered_kafka(broker.bootstrap_servers, f"child{os.getpid()}.")
     config = ProcessorConfig(kafka=kafka, lake=str(tmp_path / "lake"), session_timeout_ms=2000)
     child = BatchChild()
-    child.configure(config, logging.WARNING, None)
+    child.configure(config, logging.WARNING)
+    child.tables_ready(None)
     child.process.join(60)
     assert child.process.exitcode == CHILD_REPORTED
     assert child.reported_error() == (

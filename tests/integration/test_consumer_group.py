@@ -12,7 +12,7 @@ from kafka import ConsumerRebalanceListener
 from ingest.io.broker import free_port
 from ingest.io.kafka import poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
-from ingest.processor import stage as stage_module
+from ingest.processor import membership
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
@@ -141,7 +141,7 @@ def test_a_join_that_completes_between_two_short_polls_is_kept(kafka):
 
 
 def test_a_missing_topic_is_one_clear_error(broker, lake_root, monkeypatch):
-    monkeypatch.setattr(stage_module, "TOPIC_WAIT_S", 1.0)
+    monkeypatch.setattr(membership, "TOPIC_WAIT_S", 1.0)
     kafka = suite_kafka(broker.bootstrap_servers, topic_prefix="never.made.")
     with pytest.raises(RolloutlakeError) as raised:
         BatchStage(ProcessorConfig(kafka=kafka, lake=lake_root), Lake(lake_root))

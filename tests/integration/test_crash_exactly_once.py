@@ -25,7 +25,7 @@ import pytest
 from ingest.commands.simulate import SimulationConfig, run_simulation
 from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.io.lake import Lake
-from ingest.processor.stage import SESSION_TIMEOUTS_MS
+from ingest.processor.membership import SESSION_TIMEOUTS_MS
 from schemas.tables import TABLES
 from tests.integration import chaos_report
 from tests.integration.pipeline import assert_keys_once, run_processor

@@ -15,7 +15,8 @@ from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 from pydantic import BaseModel, ValidationError
 
-from ingest.io.lake import BackgroundCompaction, Lake, LakePath, TxnMark
+from ingest.io.lake import BackgroundCompaction, Lake, TxnMark
+from ingest.io.lake_location import LakePath
 from ingest.io.retention import compact
 from schemas.errors import ConfigError
 from schemas.tables import EVENTS, GROUPS, SAMPLES, STEP_METRICS

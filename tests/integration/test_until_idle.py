@@ -382,7 +382,8 @@ def test_a_batch_stage_told_to_drain_before_it_runs_still_seals(broker, tmp_path
         time.sleep(0.01)
     os.kill(child.process.pid, signal.SIGTERM)
     groups = Processor(config.model_copy(update={"stages": "groups"}))  # the tables first
-    child.configure(config, logging.WARNING, None)
+    child.configure(config, logging.WARNING)
+    child.tables_ready(None)
     groups.run()
     child.process.join(120)
     assert child.process.exitcode == 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from ingest.cli import build_parser
-from ingest.io.lake import lake_storage_options
+from ingest.io.lake_location import lake_storage_options
 
 COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
 

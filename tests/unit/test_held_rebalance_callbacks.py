@@ -1,4 +1,4 @@
-"""A stage's rebalance callbacks held while it is built (processor/stage.py)."""
+"""A stage's rebalance callbacks held while it is built (processor/membership.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 from kafka import TopicPartition
 
-from ingest.processor.stage import HeldRebalanceCallbacks
+from ingest.processor.membership import HeldRebalanceCallbacks
 
 A, B = {TopicPartition("events", 0)}, {TopicPartition("events", 1)}
 
@@ -35,11 +35,11 @@ class Recorder:
 
 def test_callbacks_are_held_in_order_until_release_then_go_straight_to_the_stage():
     stage = Recorder()
-    held = HeldRebalanceCallbacks(stage)  # type: ignore[arg-type]
+    held = HeldRebalanceCallbacks()
     held.on_partitions_revoked(set())  # before the first JoinGroup
     held.on_partitions_assigned(A)
     assert stage.calls == []
-    held.release()
+    held.release(stage)  # type: ignore[arg-type]
     assert stage.calls == [("revoked", set()), ("assigned", A)]
     held.on_partitions_lost(A)
     assert stage.calls[-1] == ("lost", A)
@@ -47,10 +47,10 @@ def test_callbacks_are_held_in_order_until_release_then_go_straight_to_the_stage
 
 def test_a_callback_that_comes_during_the_release_follows_the_held_ones():
     stage = Recorder()
-    held = HeldRebalanceCallbacks(stage)  # type: ignore[arg-type]
+    held = HeldRebalanceCallbacks()
     held.on_partitions_revoked(A)
     stage.gate.clear()  # the held revocation, replayed, waits
-    release = threading.Thread(target=held.release)
+    release = threading.Thread(target=held.release, args=(stage,))
     release.start()
     assert stage.revoking.wait(10)
     assign = threading.Thread(target=held.on_partitions_assigned, args=(B,))

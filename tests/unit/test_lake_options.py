@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.io.lake import Lake, lake_storage_options
+from ingest.io.lake import Lake
+from ingest.io.lake_location import lake_storage_options
 from schemas.errors import ConfigError
 
 ENV = {

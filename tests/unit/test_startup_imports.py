@@ -37,7 +37,7 @@ def test_the_processor_starts_from_bytecode():
     """Every module of this checkout that the processor imports has bytecode matching its
     source, so no start compiles it again, even where PYTHONDONTWRITEBYTECODE keeps imports
     from writing any (`make bytecode`, a step of `make test` and `make demo`)."""
-    probe = ("import sys, ingest.processor.main; "
+    probe = ("import sys, ingest.processor.command, ingest.processor.main; "
              "print('\\n'.join(f'{m.__spec__.origin} {m.__spec__.cached}' "
              "for m in list(sys.modules.values()) "
              "if getattr(m, '__spec__', None) and m.__spec__.has_location "
