@@ -47,7 +47,8 @@ _prestarted: BatchChild | None = None
 
 
 class BatchChild:
-    """A spawned interpreter that imports the processor, then waits for its configuration."""
+    """A spawned interpreter that imports what a join needs, then waits for its configuration
+    (`configure`: it starts joining) and for the tables (`tables_ready`: it builds its stage)."""
 
     def __init__(self) -> None:
         context = multiprocessing.get_context("spawn")
