@@ -102,7 +102,12 @@ class Lake:
                 _add_extension_columns(dt, spec)
         if dt is None:
             if self.is_local:
-                Path(self.uri(table)).mkdir(parents=True, exist_ok=True)
+                try:
+                    Path(self.uri(table)).mkdir(parents=True, exist_ok=True)
+                except OSError as err:  # a file in the way, no permission, a read-only disk
+                    raise ConfigError(
+                        f"cannot create the lake's {table} table under {self.root}: "
+                        f"{err.strerror} ({err.filename})") from None
             dt = DeltaTable.create(
                 self.uri(table),
                 schema=spec.schema,

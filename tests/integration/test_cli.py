@@ -188,6 +188,20 @@ def test_lake_path_delta_cannot_address_is_refused(command, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written anywhere
 
 
+def test_a_lake_folder_the_processor_cannot_make_is_one_line(broker, tmp_path):
+    """The processor makes the lake's tables on its way up; a folder it cannot make was a
+    traceback (a file where a folder of the path should be)."""
+    (tmp_path / "file").write_text("in the way")
+    lake = str(tmp_path / "file" / "lake")
+    line = one_line_error(cli("process", "--lake", lake, "--bootstrap-servers",
+                              broker.bootstrap_servers, "--topic-prefix", f"nf{os.getpid()}.",
+                              "--until-idle-s", "1",
+                              # its own: none of a killed processor's folders to remove
+                              "--spool-dir", str(tmp_path / "spool")))
+    assert line == (f"rolloutlake process: cannot create the lake's events table under {lake}: "
+                    f"Not a directory ({lake}/events)")
+
+
 @pytest.mark.slow
 def test_demo_keeps_kafka_client_noise_out_of_the_terminal(tmp_path):
     lake = tmp_path / "demo-lake"

@@ -110,6 +110,17 @@ def test_lake_paths_delta_cannot_address_are_refused(tmp_path, char):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_lake_folder_that_cannot_be_made_is_one_error_naming_it(tmp_path):
+    """A file where the lake's folder should go: the error names the lake, the table and
+    the reason, where the OS error's traceback reached the user."""
+    (tmp_path / "file").write_text("in the way")
+    root = str(tmp_path / "file" / "lake")
+    with pytest.raises(ConfigError) as raised:
+        Lake(root).ensure("events")
+    assert str(raised.value) == (f"cannot create the lake's events table under {root}: Not a "
+                                 f"directory ({root}/events)")
+
+
 @pytest.mark.parametrize("char", [" ", "#", "?", "{", "é", "'", "@", "~", ","])
 def test_other_punctuation_in_a_lake_path_round_trips(tmp_path, char):
     root = tmp_path / f"a{char}b"
