@@ -30,10 +30,11 @@ def run(args: argparse.Namespace) -> int:
         # kafka-python logs every reconnect attempt; the stages say it once (health.py)
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
     child = take_prestarted()
-    if config.stages != "all" or config.single_process:
-        if child is not None:
-            child.cancel()
-        config.kafka.ensure_topics()
+    split = config.stages == "all" and not config.single_process
+    if child is not None and not split:
+        child.cancel()
+    config.kafka.ensure_topics()
+    if not split:
         members = start_members(config, STAGE_ROLES[config.stages])
         from ingest.processor.main import Processor
 
@@ -41,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, processor.stop)
         signal.signal(signal.SIGINT, processor.stop)
         return processor.run()
-    config.kafka.ensure_topics()
     child = child or BatchChild()
     child.configure(config, logging.getLogger("kafka").getEffectiveLevel())
     try:

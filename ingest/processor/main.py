@@ -208,10 +208,9 @@ def run_batch_stage(config: ProcessorConfig, spool_folder: Path | None, member: 
 
 
 def run_split(config: ProcessorConfig, child: BatchChild,
-              members: Mapping[Role, GroupMember] | None = None) -> int:
+              members: Mapping[Role, GroupMember]) -> int:
     """Group stage here, batch stage in `child`, configured already (its join started);
-    `members` holds the group stage's member where it started joining already. Returns
-    the exit code."""
+    `members` holds the group stage's member, joining already. Returns the exit code."""
     spool = DecisionSpool.create(config.spool_dir) if config.spool else None
     try:
         # The child writes the metrics and closes the last steps, so it runs the W&B sink.

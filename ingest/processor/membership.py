@@ -112,20 +112,20 @@ class GroupMember:
     the stage's own polls go on, watching the broker and the join's time."""
 
     def __init__(self, config: ProcessorConfig, role: Role):
-        self.role = role
         self.topic = stage_topic(config, role)
         self.group_id = f"{config.group_prefix}-{role}"
         self.session_timeout_ms = config.session_timeout_ms or SESSION_TIMEOUTS_MS[0]
         self.listener = HeldRebalanceCallbacks()
         self.consumer = group_consumer(config, self.group_id, self.topic,
                                        self.session_timeout_ms, self.listener)
-        self.first_poll: Future[dict] | None = Future()
-        threading.Thread(target=self._poll_until_joined, args=(config.poll_timeout_ms,),
+        # Handed to the thread, not read back from `first_poll`, which the stage may have
+        # taken by the time the thread runs.
+        first: Future[dict] = Future()
+        self.first_poll: Future[dict] | None = first
+        threading.Thread(target=self._poll_until_joined, args=(first, config.poll_timeout_ms),
                          name=f"{role}-join", daemon=True).start()
 
-    def _poll_until_joined(self, poll_timeout_ms: int) -> None:
-        first = self.first_poll
-        assert first is not None
+    def _poll_until_joined(self, first: Future[dict], poll_timeout_ms: int) -> None:
         deadline = time.monotonic() + self.session_timeout_ms / 1000
         try:
             polled: dict = {}
@@ -149,10 +149,10 @@ class GroupMember:
         if first is not None:
             wait([first])
 
-    def close(self, timeout_ms: int | None = None) -> None:
-        """Leave the group: for a member whose stage was never built, or is closing."""
+    def close(self) -> None:
+        """Leave the group: for a member whose stage was never built."""
         self.abandon_first_poll()
-        self.consumer.close(timeout_ms=timeout_ms)
+        self.consumer.close()
 
 
 def start_members(config: ProcessorConfig, roles: tuple[Role, ...]) -> dict[Role, GroupMember]:
