@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pyarrow.compute as pc
 
+from ingest.commands.simulate import SimulationConfig, open_loop_groups
 from ingest.io.kafka import KafkaSettings, poll_in_group, subscribe_once_listed
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
@@ -55,6 +56,25 @@ def publish(kafka: KafkaSettings, run_id: str, config: dict[str, Any] | None,
                 continue
             key = event_group_key(run_id, body.get("group_index", key_group))
             pub.send_raw(pub.topics.events, key, orjson.dumps(body))
+
+
+def publish_open_loop(kafka: KafkaSettings, sim: SimulationConfig, *,
+                      pause_s: float | None = None) -> None:
+    """Publish a simulated open-loop run: `run_started`, then every group's events.
+
+    With `pause_s` each group is flushed before the pause, so a processor reading alongside
+    meets the run as a stream; without it the groups go out in the producer's batches.
+    """
+    with RolloutPublisher(kafka) as pub:
+        pub.run_started(sim.run_id, sim.run_config(), event_id="run")
+        pub.flush()
+        for group in open_loop_groups(sim):
+            for body in group.events:
+                pub.send_raw(pub.topics.events, event_group_key(sim.run_id, body["group_index"]),
+                             orjson.dumps(body))
+            if pause_s is not None:
+                pub.flush()
+                time.sleep(pause_s)
 
 
 def ordered_kafka(bootstrap_servers: str, prefix: str) -> KafkaSettings:

@@ -33,6 +33,7 @@ from tests.integration.pipeline import (
     poll_in_thread,
     poll_until_idle,
     publish,
+    publish_open_loop,
     rows,
     run_processor,
     run_rows,
@@ -220,13 +221,7 @@ def test_a_snapshot_taken_while_decisions_are_held_resumes_as_an_uninterrupted_r
                         topic_prefix=f"held{uuid.uuid4().hex[:8]}.", event_partitions=4,
                         decision_partitions=1)
     kafka.ensure_topics()
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(HELD.run_id, HELD.run_config(), event_id="run")
-        pub.flush()
-        for group in open_loop_groups(HELD):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(HELD.run_id, body["group_index"]),
-                             orjson.dumps(body))
+    publish_open_loop(kafka, HELD)
     decided = str(tmp_path / "decided")
     run_processor(kafka, decided, idle_s=1.5, stages="groups",
                   consumer_group=f"{kafka.topic_prefix}held-groups")

@@ -15,14 +15,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import write_deltalake
 
-from ingest.commands.simulate import SimulationConfig, open_loop_groups
-from ingest.io.kafka import KafkaSettings, key_partition
+from ingest.commands.simulate import SimulationConfig
+from ingest.io.kafka import key_partition
 from ingest.io.lake import Lake
 from ingest.processor.batch_stage import BatchStage
 from ingest.processor.config import ProcessorConfig
 from ingest.processor.group_stage import GroupStage
 from ingest.processor.main import Processor
-from ingest.sdk.publisher import RolloutPublisher
 from schemas.events import event_group_key
 from schemas.tables import EVENTS
 from tests.integration.pipeline import (
@@ -30,6 +29,7 @@ from tests.integration.pipeline import (
     event,
     ordered_kafka,
     publish,
+    publish_open_loop,
     run_processor,
     sample,
 )
@@ -64,19 +64,6 @@ SIM = SimulationConfig(run_id="order", steps=4, rollout_batch_size=3, n_samples=
                        surplus_per_step=3)
 
 
-def _publish(kafka: KafkaSettings, pause_s: float) -> None:
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(SIM.run_id, SIM.run_config(), event_id="run")
-        pub.flush()
-        for group in open_loop_groups(SIM):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(SIM.run_id, body["group_index"]),
-                             orjson.dumps(body))
-            if pause_s:
-                pub.flush()
-                time.sleep(pause_s)
-
-
 def _steps(lake_root: str) -> dict[int, str]:
     table = Lake(lake_root).read("steps", filter=pc.field("run_id") == SIM.run_id)
     return dict(zip(table.column("step").to_pylist(), table.column("content_sha256").to_pylist(),
@@ -97,7 +84,8 @@ def test_four_partitions_live_and_from_backlog_give_the_same_steps_and_replay_ag
     kafka.ensure_topics()
     live, backlog = str(tmp_path / "live"), str(tmp_path / "backlog")
     # Live: the events stream in while the processor runs, few records per poll.
-    streaming = threading.Thread(target=_publish, args=(kafka, 0.03))
+    streaming = threading.Thread(target=publish_open_loop, args=(kafka, SIM),
+                                 kwargs={"pause_s": 0.03})
     streaming.start()
     processor = threading.Thread(target=run_processor, args=(kafka, live),
                                  kwargs={"idle_s": 4.0, "max_poll_records": 3, "compact_every": 2,

@@ -11,15 +11,18 @@ import threading
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 
-from ingest.commands.simulate import SimulationConfig, open_loop_groups
+from ingest.commands.simulate import SimulationConfig
 from ingest.io.kafka import KafkaSettings
 from ingest.io.lake import Lake
-from ingest.sdk.publisher import RolloutPublisher
-from schemas.events import event_group_key
-from tests.integration.pipeline import assert_keys_once, ordered_kafka, run_processor, run_rows
+from tests.integration.pipeline import (
+    assert_keys_once,
+    ordered_kafka,
+    publish_open_loop,
+    run_processor,
+    run_rows,
+)
 from tests.support.suite_kafka import suite_kafka
 
 # Exactly `rollout_batch_size` kept groups per step (no surplus) and no aborts: which
@@ -29,18 +32,6 @@ SIM = SimulationConfig(
     prompt_len=8, compaction_rate=0.1, duplicate_rate=0.05, abort_rate=0.0,
     missing_reward_rate=0.0, seed=21, mode="open", surplus_per_step=0,
 )
-
-
-def _publish(kafka: KafkaSettings, pause_s: float) -> None:
-    with RolloutPublisher(kafka) as pub:
-        pub.run_started(SIM.run_id, SIM.run_config(), event_id="run")
-        pub.flush()
-        for group in open_loop_groups(SIM):
-            for body in group.events:
-                pub.send_raw(pub.topics.events, event_group_key(SIM.run_id, body["group_index"]),
-                             orjson.dumps(body))
-            pub.flush()
-            time.sleep(pause_s)
 
 
 def _command(kafka: KafkaSettings, lake: str, status: Path) -> list[str]:
@@ -77,7 +68,7 @@ def _table(lake: Lake, name: str, columns: list[str]) -> list[tuple]:
 def test_the_survivor_takes_over_a_killed_instance_exactly_once(broker, tmp_path):
     reference_lake = str(tmp_path / "reference")
     reference = ordered_kafka(broker.bootstrap_servers, f"sref{os.getpid()}.")
-    _publish(reference, 0.0)
+    publish_open_loop(reference, SIM, pause_s=0.0)
     run_processor(reference, reference_lake, idle_s=2.0)
     ref = Lake(reference_lake)
     steps = ["step", "n_groups", "n_samples", "content_sha256"]
@@ -97,7 +88,8 @@ def test_the_survivor_takes_over_a_killed_instance_exactly_once(broker, tmp_path
         _wait(lambda: _partitions(status_a, "groups") and _partitions(status_b, "groups")
               and sorted(_partitions(status_a, "groups") + _partitions(status_b, "groups"))
               == [0, 1, 2, 3], "both instances to own disjoint events partitions", 90, a, b)
-        streaming = threading.Thread(target=_publish, args=(kafka, 0.1))
+        streaming = threading.Thread(target=publish_open_loop, args=(kafka, SIM),
+                                 kwargs={"pause_s": 0.1})
         streaming.start()
         lake = Lake(lake_root)
         _wait(lambda: len(_table(lake, "steps", ["step"])) >= 2, "two sealed steps", 120, a, b)
