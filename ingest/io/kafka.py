@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import (
+    AuthorizationError,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 from kafka.partitioner.default import murmur2
 from pydantic import (
     BaseModel,
@@ -35,7 +43,7 @@ from pydantic import (
 )
 
 from ingest.io.kafka_transport import deliver_bytes_before_close
-from schemas.errors import BrokerUnavailableError, RolloutlakeError
+from schemas.errors import BrokerUnavailableError, ConfigError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -483,8 +491,16 @@ class KafkaSettings(BaseModel):
             NewTopic(topics.deadletter, 1, 1),
         ]
 
-    def ensure_topics(self) -> Topics:
-        """Create the contract topics (`topic_plan`) that are missing."""
+    def ensure_topics(self, needed: Collection[str] | None = None) -> Topics:
+        """Create the contract topics (`topic_plan`) that are missing.
+
+        Under ACLs a principal sees only the topics it may DESCRIBE, and may lack CREATE: a
+        topic it can neither see nor create is an error when it is one of `needed` (default:
+        all of them), and left to the services that use it otherwise. Raises
+        `RolloutlakeError` naming the topics and the principal.
+        """
+        needed = set(self.topics.__dict__.values()) if needed is None else set(needed)
+        refused = []
         admin = self.admin()
         try:
             existing = set(admin.list_topics())
@@ -494,13 +510,45 @@ class KafkaSettings(BaseModel):
                     admin.create_topics([topic])
                 except TopicAlreadyExistsError:
                     pass
+                except TopicAuthorizationFailedError:
+                    if topic.name in needed:
+                        refused.append(topic.name)
         except KafkaError as err:
             raise BrokerUnavailableError(
                 f"could not create topics on {self.bootstrap_servers}: {err}"
             ) from None
         finally:
             admin.close()
+        if refused:
+            raise RolloutlakeError(
+                f"{self.principal()} may neither see nor create {', '.join(refused)} on "
+                f"{self.bootstrap_servers}: grant it DESCRIBE on existing topics, or CREATE "
+                "to let rolloutlake create them (docs/kafka-security.md, \"ACLs\")")
         return self.topics
+
+    def principal(self) -> str:
+        """Who the broker's ACLs see, in words."""
+        if self.security_protocol.startswith("SASL"):
+            return f"SASL user '{self.sasl_username}'"
+        return f"this client ({self.security_protocol})"
+
+
+_REFUSED_RESOURCE = {TopicAuthorizationFailedError: "topic",
+                     GroupAuthorizationFailedError: "consumer group",
+                     ClusterAuthorizationFailedError: "the cluster"}
+
+
+def not_authorized(settings: KafkaSettings, err: AuthorizationError, service: str) -> ConfigError:
+    """A broker's ACL refusal as one line: who was refused which resource, and where the
+    ACLs `service` needs are listed."""
+    names = sorted(str(name) for arg in err.args
+                   for name in (arg if isinstance(arg, set | list | tuple) else [arg]))
+    kind = next((kind for error, kind in _REFUSED_RESOURCE.items() if isinstance(err, error)),
+                "a resource")
+    return ConfigError(
+        f"the broker at {settings.bootstrap_servers} refuses {settings.principal()} access to "
+        f"{' '.join([kind, ', '.join(names)]).strip()}: grant it the ACLs of the {service} "
+        "(docs/kafka-security.md, \"ACLs\")")
 
 
 # What an SSL handshake with a plaintext listener fails with (OpenSSL 3 wording varies).

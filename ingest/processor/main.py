@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from kafka.errors import AuthorizationError
+
 from ingest.io.allocator import reuse_large_buffers
+from ingest.io.kafka import not_authorized
 from ingest.io.lake import Lake
 from ingest.io.spool import DecisionSpool
 from ingest.processor.batch_stage import BatchStage
@@ -93,13 +96,15 @@ class Processor:
             if "batches" in waiting:
                 self.stages.append(BatchStage(config, Lake(config.lake), spool,
                                               waiting.pop("batches")))
-        except BaseException:
+        except BaseException as err:
             for member in waiting.values():
                 member.close()
             for stage in self.stages:
                 stage.close(timeout_s=CLOSE_TIMEOUT_S)
             if self.own_spool and spool is not None:
                 spool.remove()
+            if isinstance(err, AuthorizationError):  # a stage's first read of a topic
+                raise not_authorized(config.kafka, err, "processor") from None
             raise
         self.stop_event = threading.Event()
         self.errors: list[BaseException] = []
@@ -111,6 +116,8 @@ class Processor:
             while not self.stop_event.is_set():
                 stage.poll_once()
         except BaseException as err:  # a stage that dies stops the processor
+            if isinstance(err, AuthorizationError):  # the broker's ACLs: the user's to fix
+                err = not_authorized(self.config.kafka, err, "processor")
             if not isinstance(err, RolloutlakeError):  # ours are one line, printed by the CLI
                 log.exception("%s failed", type(stage).__name__)
             stage.health.state, stage.health.error = "failed", str(err)

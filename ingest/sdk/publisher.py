@@ -71,7 +71,12 @@ class RolloutPublisher:
             if isinstance(bootstrap_servers, KafkaSettings)
             else KafkaSettings(bootstrap_servers=bootstrap_servers)
         )
-        self.topics = self.settings.ensure_topics() if create_topics else self.settings.topics
+        topics = self.settings.topics
+        # Every contract topic where the principal may create it (their partition counts
+        # matter before the processor runs); under ACLs a publisher needs only the two it
+        # writes.
+        self.topics = (self.settings.ensure_topics(needed=(topics.runs, topics.events))
+                       if create_topics else topics)
         self.producer_id = producer_id
         self.max_event_bytes = max_event_bytes
         self._producer = self.settings.producer()

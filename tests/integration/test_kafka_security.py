@@ -1,22 +1,39 @@
-"""Secured Kafka for real: Apache Kafka with a SASL_SSL listener, a CA made here, SCRAM users.
+"""Secured Kafka for real: Apache Kafka with a SASL_SSL listener, a CA made here, SCRAM users,
+and ACLs enforced by the broker's StandardAuthorizer.
 
 The broker's certificate is signed by a CA this module creates with `openssl`; the SCRAM
-user is created with Kafka's own `kafka-configs` tool over the broker's internal listener.
-Right credentials carry a run through the processor into Delta; a wrong password, a wrong
-CA and plaintext to the TLS port are each refused with one line that says which.
+user is created with Kafka's own `kafka-configs` tool over the broker's internal listener,
+which is anonymous and the only super user. Each test grants its principals, on its own
+topics, the ACLs docs/kafka-security.md lists: with them the publisher's and the processor's
+principals carry a run into Delta, and the publisher's cannot write decisions. A wrong
+password, a wrong CA, plaintext to the TLS port and a missing ACL are each refused with one
+line that says which.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kafka.admin import (
+    ACL,
+    ACLFilter,
+    ACLOperation,
+    ACLPermissionType,
+    ACLResourcePatternType,
+    ResourcePattern,
+    ResourcePatternFilter,
+    ResourceType,
+)
+from kafka.errors import TopicAuthorizationFailedError
 
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
@@ -87,6 +104,10 @@ def secured(tmp_path_factory) -> SecuredKafka:
                                     scram_login,
                                 "ssl.keystore.type": "PEM",
                                 "ssl.keystore.location": str(keystore),
+                                "authorizer.class.name": "org.apache.kafka.metadata."
+                                                         "authorizer.StandardAuthorizer",
+                                # the internal listeners: the tools, and the tests' admin
+                                "super.users": "User:ANONYMOUS",
                             })
     with broker.start(SUITE_BROKER_START_S):
         created = broker.kafka_tool(
@@ -117,19 +138,71 @@ def _one_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_scram_over_tls_carries_a_run_into_delta(secured, tmp_path):
-    """Processor (from the environment) and SDK (explicit settings) over SASL_SSL."""
+# docs/kafka-security.md, "ACLs": what each service's principal needs on the contract
+# topics (DESCRIBE on each too) and on its consumer groups.
+PROCESSOR_TOPIC_ACLS = {"events": ("READ",), "runs": ("READ",), "decisions": ("READ", "WRITE"),
+                        "control": ("WRITE",), "deadletter": ("WRITE",)}
+PUBLISHER_TOPIC_ACLS = {"events": ("WRITE",), "runs": ("WRITE",)}
+
+
+def _grant(secured: SecuredKafka, user: str, prefix: str, topic_acls: dict[str, tuple[str, ...]],
+           *, create: bool = False, group: bool = False) -> None:
+    """Allow `user` the operations of `topic_acls` (plus DESCRIBE, and CREATE with `create`)
+    on the contract topics under `prefix`, and READ on the processor's consumer groups
+    (`<prefix>rolloutlake-*`) with `group`; returns once the broker lists them."""
+    topics = KafkaSettings(topic_prefix=prefix).topics
+
+    def acl(kind: ResourceType, name: str, operation: str,
+            pattern: ACLResourcePatternType = ACLResourcePatternType.LITERAL) -> ACL:
+        return ACL(f"User:{user}", "*", ACLOperation[operation], ACLPermissionType.ALLOW,
+                   ResourcePattern(kind, name, pattern))
+
+    acls = [acl(ResourceType.TOPIC, getattr(topics, topic), operation)
+            for topic, operations in topic_acls.items()
+            for operation in (*operations, "DESCRIBE", *(("CREATE",) if create else ()))]
+    if group:
+        acls.append(acl(ResourceType.GROUP, f"{prefix}rolloutlake", "READ",
+                        ACLResourcePatternType.PREFIXED))
+    admin = KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers).admin()
+    try:
+        admin.create_acls(acls)
+        mine = ACLFilter(f"User:{user}", None, ACLOperation.ANY, ACLPermissionType.ANY,
+                         ResourcePatternFilter(ResourceType.ANY, None,
+                                               ACLResourcePatternType.ANY))
+        deadline = time.monotonic() + 30
+        while True:
+            listed, _ = admin.describe_acls(mine)
+            if {(a.resource_pattern.resource_name, a.operation) for a in acls} <= {
+                    (a.resource_pattern.resource_name, a.operation) for a in listed}:
+                return
+            assert time.monotonic() < deadline, "the broker did not list the new ACLs"
+            time.sleep(0.1)
+    finally:
+        admin.close()
+
+
+def _as_user(secured: SecuredKafka, prefix: str, user: str, password: str,
+             mechanism: str) -> KafkaSettings:
+    return KafkaSettings(bootstrap_servers=secured.sasl_ssl, topic_prefix=prefix,
+                         event_partitions=1, decision_partitions=1,
+                         security_protocol="SASL_SSL", sasl_mechanism=mechanism,
+                         sasl_username=user, sasl_password=password, ssl_cafile=secured.ca,
+                         # the suite's: a SCRAM and TLS handshake on a loaded CI machine
+                         # took longer than the 5 s default (a clean-clone run)
+                         bootstrap_timeout_ms=SUITE_BOOTSTRAP_TIMEOUT_MS)
+
+
+def test_scram_over_tls_carries_a_run_into_delta_with_the_documented_acls(secured, tmp_path):
+    """The processor (SCRAM, from the environment) with the processor's ACLs creates the
+    topics and turns what the SDK (PLAIN, explicit settings) published with the
+    publisher's ACLs into Delta. The publisher's principal cannot forge a decision."""
     prefix = f"sec{uuid.uuid4().hex[:8]}."
-    sdk = KafkaSettings(bootstrap_servers=secured.sasl_ssl, topic_prefix=prefix,
-                        event_partitions=1, decision_partitions=1,
-                        security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
-                        sasl_username=SCRAM_USER, sasl_password=SCRAM_PASSWORD,
-                        ssl_cafile=secured.ca,
-                        # the suite's: a SCRAM and TLS handshake on a loaded CI machine
-                        # took longer than the 5 s default (a clean-clone run)
-                        bootstrap_timeout_ms=SUITE_BOOTSTRAP_TIMEOUT_MS)
-    sdk.ensure_topics()
+    _grant(secured, SCRAM_USER, prefix, PROCESSOR_TOPIC_ACLS, create=True, group=True)
+    _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
+    _as_user(secured, prefix, SCRAM_USER, SCRAM_PASSWORD, "SCRAM-SHA-512").ensure_topics()
+    sdk = _as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN")
     run = "secured-run"
+    # The SDK makes sure of the topics it may see (it writes two of the five).
     publish(sdk, run, {"n_samples_per_prompt": 2, "rollout_batch_size": 1},
             [event("group_started", run, group_index=0, step=0, n_samples=2),
              sample(run, 0, 0, reward=1.0), sample(run, 0, 1, reward=0.0)])
@@ -142,6 +215,44 @@ def test_scram_over_tls_carries_a_run_into_delta(secured, tmp_path):
     groups = rows(str(lake), "groups", run)
     assert [(g["group_index"], g["decision"]) for g in groups] == [(0, "kept")]
     assert [s["step"] for s in rows(str(lake), "steps", run)] == [0]
+
+    producer = sdk.producer()
+    try:
+        with pytest.raises(TopicAuthorizationFailedError):
+            producer.send(sdk.topics.decisions, key=run.encode(), value=b"{}").get(timeout=30)
+    finally:
+        producer.close(timeout=0)
+
+
+def test_a_processor_without_its_consumer_group_acl_is_one_line(secured, tmp_path):
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    _grant(secured, SCRAM_USER, prefix, PROCESSOR_TOPIC_ACLS, create=True)
+    result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
+                  str(tmp_path / "lake"), "--topic-prefix", prefix, "--event-partitions", "1",
+                  "--until-idle", "3", env=secured.env())
+    # Both stages are refused; the user reads one of them.
+    assert re.fullmatch(
+        f"rolloutlake process: the broker at {re.escape(secured.sasl_ssl)} refuses SASL user "
+        f"'{SCRAM_USER}' access to consumer group {re.escape(prefix)}rolloutlake-"
+        r"(groups|batches): grant it the ACLs of the processor \(docs/kafka-security.md, "
+        '"ACLs"\\)', _one_line(result))
+
+
+def test_a_principal_that_may_not_see_the_topics_is_told_which(secured, tmp_path):
+    """The publisher's principal cannot run the processor: the topics it may neither see
+    nor create are named, not a CreateTopics response."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
+    topics = KafkaSettings(topic_prefix=prefix).topics
+    result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
+                  str(tmp_path / "lake"), "--topic-prefix", prefix,
+                  env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
+                                  sasl_password=PLAIN_PASSWORD))
+    assert _one_line(result) == (
+        f"rolloutlake process: SASL user '{PLAIN_USER}' may neither see nor create "
+        f"{topics.runs}, {topics.events}, {topics.decisions}, {topics.control}, "
+        f"{topics.deadletter} on {secured.sasl_ssl}: grant it DESCRIBE on existing topics, "
+        'or CREATE to let rolloutlake create them (docs/kafka-security.md, "ACLs")')
 
 
 def test_sasl_plain_over_tls_is_accepted(secured):
