@@ -86,6 +86,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as err:
+        refused = _acl_refusal(err)
+        if refused is None:
+            raise
+        print(f"rolloutlake {command or ''}: {refused}".replace("  ", " "), file=sys.stderr)
+        return 2
+
+
+def _acl_refusal(err: Exception) -> str | None:
+    """A refusal by the broker's ACLs that a command let through, in words (None for any
+    other error). kafka-python is loaded by then if it raised it: this module does not
+    import it, so that commands without Kafka start without it."""
+    kafka_errors = sys.modules.get("kafka.errors")
+    if kafka_errors is None or not isinstance(err, kafka_errors.AuthorizationError):
+        return None
+    from ingest.io.kafka import refused_resource
+
+    return (f"the Kafka broker refuses access to {refused_resource(err)} (the ACLs each "
+            "service needs: docs/kafka-security.md, \"ACLs\")")
 
 
 if __name__ == "__main__":

@@ -208,8 +208,14 @@ class PartitionReader:
     def poll(self, timeout_ms: int, max_records: int | None = None
              ) -> dict[TopicPartition, list[Any]]:
         """What arrived, as `KafkaConsumer.poll`; checks for a stall when one is due (a
-        broker that does not answer the check is left to the caller's next poll)."""
+        broker that does not answer the check is left to the caller's next poll). Raises
+        `TopicAuthorizationFailedError` for topics the broker's ACLs hide."""
         polled = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        # A topic the principal may not DESCRIBE: kafka-python logs it at every metadata
+        # refresh and reads nothing, for ever.
+        refused = self.consumer._cluster.unauthorized_topics & set(self._topics)
+        if refused:
+            raise TopicAuthorizationFailedError(refused)
         if time.monotonic() - self._checked_at >= STALL_CHECK_S:
             try:
                 self.behind(timeout_ms=max(timeout_ms, 1000))
@@ -496,8 +502,8 @@ class KafkaSettings(BaseModel):
 
         Under ACLs a principal sees only the topics it may DESCRIBE, and may lack CREATE: a
         topic it can neither see nor create is an error when it is one of `needed` (default:
-        all of them), and left to the services that use it otherwise. Raises
-        `RolloutlakeError` naming the topics and the principal.
+        all of them), and left to the services that use it otherwise. Raises `ConfigError`
+        naming the topics and the principal.
         """
         needed = set(self.topics.__dict__.values()) if needed is None else set(needed)
         refused = []
@@ -520,7 +526,7 @@ class KafkaSettings(BaseModel):
         finally:
             admin.close()
         if refused:
-            raise RolloutlakeError(
+            raise ConfigError(
                 f"{self.principal()} may neither see nor create {', '.join(refused)} on "
                 f"{self.bootstrap_servers}: grant it DESCRIBE on existing topics, or CREATE "
                 "to let rolloutlake create them (docs/kafka-security.md, \"ACLs\")")
@@ -538,16 +544,21 @@ _REFUSED_RESOURCE = {TopicAuthorizationFailedError: "topic",
                      ClusterAuthorizationFailedError: "the cluster"}
 
 
-def not_authorized(settings: KafkaSettings, err: AuthorizationError, service: str) -> ConfigError:
-    """A broker's ACL refusal as one line: who was refused which resource, and where the
-    ACLs `service` needs are listed."""
+def refused_resource(err: AuthorizationError) -> str:
+    """What a broker's ACLs refused, in words: "topic a.rollout.runs"."""
     names = sorted(str(name) for arg in err.args
                    for name in (arg if isinstance(arg, set | list | tuple) else [arg]))
     kind = next((kind for error, kind in _REFUSED_RESOURCE.items() if isinstance(err, error)),
                 "a resource")
+    return " ".join([kind, ", ".join(names)]).strip()
+
+
+def not_authorized(settings: KafkaSettings, err: AuthorizationError, service: str) -> ConfigError:
+    """A broker's ACL refusal as one line: who was refused which resource, and where the
+    ACLs `service` needs are listed."""
     return ConfigError(
         f"the broker at {settings.bootstrap_servers} refuses {settings.principal()} access to "
-        f"{' '.join([kind, ', '.join(names)]).strip()}: grant it the ACLs of the {service} "
+        f"{refused_resource(err)}: grant it the ACLs of the {service} "
         "(docs/kafka-security.md, \"ACLs\")")
 
 

@@ -96,15 +96,13 @@ class Processor:
             if "batches" in waiting:
                 self.stages.append(BatchStage(config, Lake(config.lake), spool,
                                               waiting.pop("batches")))
-        except BaseException as err:
+        except BaseException:
             for member in waiting.values():
                 member.close()
             for stage in self.stages:
                 stage.close(timeout_s=CLOSE_TIMEOUT_S)
             if self.own_spool and spool is not None:
                 spool.remove()
-            if isinstance(err, AuthorizationError):  # a stage's first read of a topic
-                raise not_authorized(config.kafka, err, "processor") from None
             raise
         self.stop_event = threading.Event()
         self.errors: list[BaseException] = []

@@ -8,7 +8,6 @@ import re
 
 import httpx
 import pytest
-import schemathesis
 from schemathesis.checks import (
     response_headers_conformance,
     response_schema_conformance,
@@ -104,7 +103,7 @@ def _conforms(schema, method: str, path: str, expected_status: int, *, token: st
 
 
 def test_error_answers_match_their_documented_bodies(gw):
-    schema = schemathesis.openapi.from_url(f"{gw.url}/openapi.json")
+    schema = gw.openapi_schema()
     events = sample_events("run-a", 0)
     _conforms(schema, "post", "/v1/events", 401, token=None, body=events)
     _conforms(schema, "post", "/v1/events", 403, token="reader-token", body=events)
@@ -130,6 +129,6 @@ def test_kafka_unavailable_answer_matches_its_documented_body(tmp_path):
     config = gateway_config(kafka, str(tmp_path / "lake"), tmp_path / "state",
                             publish_timeout_s=1)
     with RunningGateway(config) as gw:
-        schema = schemathesis.openapi.from_url(f"{gw.url}/openapi.json")
+        schema = gw.openapi_schema()
         _conforms(schema, "post", "/v1/events", 503, token="admin-token",
                   body=sample_events("run-a", 0))

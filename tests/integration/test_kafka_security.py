@@ -138,6 +138,13 @@ def _one_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+def _last_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The error a command stopped on, after what it logged while it ran."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr.splitlines()[-1]
+
+
 # docs/kafka-security.md, "ACLs": what each service's principal needs on the contract
 # topics (DESCRIBE on each too) and on its consumer groups.
 PROCESSOR_TOPIC_ACLS = {"events": ("READ",), "runs": ("READ",), "decisions": ("READ", "WRITE"),
@@ -236,6 +243,42 @@ def test_a_processor_without_its_consumer_group_acl_is_one_line(secured, tmp_pat
         f"'{SCRAM_USER}' access to consumer group {re.escape(prefix)}rolloutlake-"
         r"(groups|batches): grant it the ACLs of the processor \(docs/kafka-security.md, "
         '"ACLs"\\)', _one_line(result))
+
+
+def test_a_processor_that_may_not_read_the_runs_topic_is_one_line(secured, tmp_path):
+    """Refused at the stages' first reads of the runs published so far."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    _grant(secured, SCRAM_USER, prefix, {**PROCESSOR_TOPIC_ACLS, "runs": ()}, create=True,
+           group=True)
+    publish(KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers,
+                          topic_prefix=prefix, event_partitions=1, decision_partitions=1),
+            "a-run", {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
+    result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
+                  str(tmp_path / "lake"), "--topic-prefix", prefix, "--event-partitions", "1",
+                  "--until-idle", "3", env=secured.env())
+    # after the log lines of the join that went on meanwhile
+    assert _last_line(result) == (
+        f"rolloutlake process: the broker at {secured.sasl_ssl} refuses SASL user "
+        f"'{SCRAM_USER}' access to topic {prefix}rollout.runs: grant it the ACLs of the "
+        'processor (docs/kafka-security.md, "ACLs")')
+
+
+def test_another_command_refused_by_the_acls_is_one_line(secured):
+    """`rolloutlake simulate` follows the decisions in its closed loop: as a publisher's
+    principal it may publish, not read them."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
+    KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers,
+                  topic_prefix=prefix).ensure_topics()
+    result = _cli("simulate", "--bootstrap-servers", secured.sasl_ssl, "--topic-prefix", prefix,
+                  "--steps", "1", "--rollout-batch-size", "1", "--n-samples", "2",
+                  env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
+                                  sasl_password=PLAIN_PASSWORD))
+    # after kafka-python's own log lines: "Topic ... is not authorized for this client"
+    assert re.fullmatch(
+        f"rolloutlake simulate: the Kafka broker refuses access to topic "
+        f"({re.escape(prefix)}rollout.(control|decisions)(, )?)+ \\(the ACLs each service "
+        'needs: docs/kafka-security.md, "ACLs"\\)', _last_line(result))
 
 
 def test_a_principal_that_may_not_see_the_topics_is_told_which(secured, tmp_path):

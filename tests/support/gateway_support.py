@@ -25,6 +25,10 @@ from gateway.config import GatewayConfig, hash_token, load_config
 from ingest.io.broker import free_port
 from ingest.io.kafka import KafkaSettings, read_topics
 
+# How long a test's HTTP request may wait: under the suite's load a process was not
+# scheduled for seconds at a time, and a first /openapi.json once took over 10 s.
+CLIENT_TIMEOUT_S = 60
+
 # token -> (name, scopes, runs)
 TOKENS: dict[str, tuple[str, list[str], list[str] | None]] = {
     "admin-token": ("admin", ["write"], None),
@@ -77,7 +81,15 @@ class RunningGateway:
 
     def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S,
+                            **kwargs)
+
+    def openapi_schema(self) -> Any:
+        """The served OpenAPI schema, loaded by schemathesis (whose own timeout is 10 s)."""
+        import schemathesis  # only the schema tests load it
+
+        return schemathesis.openapi.from_url(f"{self.url}/openapi.json",
+                                             timeout=CLIENT_TIMEOUT_S)
 
 
 class GatewayProcess:
@@ -133,7 +145,15 @@ class GatewayProcess:
 
     def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S,
+                            **kwargs)
+
+    def openapi_schema(self) -> Any:
+        """The served OpenAPI schema, loaded by schemathesis (whose own timeout is 10 s)."""
+        import schemathesis  # only the schema tests load it
+
+        return schemathesis.openapi.from_url(f"{self.url}/openapi.json",
+                                             timeout=CLIENT_TIMEOUT_S)
 
 
 def sample_events(run_id: str, group_index: int, n: int = 2, tokens: int = 64,
