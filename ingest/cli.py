@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from schemas.errors import RolloutlakeError
+from schemas.errors import RolloutlakeError, refused_resource
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -101,8 +101,6 @@ def _acl_refusal(err: Exception) -> str | None:
     kafka_errors = sys.modules.get("kafka.errors")
     if kafka_errors is None or not isinstance(err, kafka_errors.AuthorizationError):
         return None
-    from ingest.io.kafka import refused_resource
-
     return (f"the Kafka broker refuses access to {refused_resource(err)} (the ACLs each "
             "service needs: docs/kafka-security.md, \"ACLs\")")
 

@@ -83,3 +83,19 @@ class FilterLoadError(RolloutlakeError):
 
 class BatchVerificationError(RolloutlakeError):
     """A sealed batch read from Delta does not match its recorded hash or version."""
+
+
+# kafka-python's refusals by the broker's ACLs, by class name (this module imports no
+# client), and what each one refuses.
+_REFUSED_RESOURCE = {"TopicAuthorizationFailedError": "topic",
+                     "GroupAuthorizationFailedError": "consumer group",
+                     "ClusterAuthorizationFailedError": "the cluster"}
+
+
+def refused_resource(err: Exception) -> str:
+    """What a broker's ACLs refused, in words ("topic a.rollout.runs"), from kafka-python's
+    authorization error, whose arguments name the topics or the group."""
+    names = sorted(str(name) for arg in err.args
+                   for name in (arg if isinstance(arg, set | list | tuple) else [arg]))
+    kind = _REFUSED_RESOURCE.get(type(err).__name__, "a resource")
+    return " ".join([kind, ", ".join(names)]).strip()

@@ -24,8 +24,6 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import (
     AuthorizationError,
-    ClusterAuthorizationFailedError,
-    GroupAuthorizationFailedError,
     KafkaError,
     KafkaTimeoutError,
     TopicAlreadyExistsError,
@@ -43,7 +41,12 @@ from pydantic import (
 )
 
 from ingest.io.kafka_transport import deliver_bytes_before_close
-from schemas.errors import BrokerUnavailableError, ConfigError, RolloutlakeError
+from schemas.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    RolloutlakeError,
+    refused_resource,
+)
 
 log = logging.getLogger(__name__)
 
@@ -537,20 +540,6 @@ class KafkaSettings(BaseModel):
         if self.security_protocol.startswith("SASL"):
             return f"SASL user '{self.sasl_username}'"
         return f"this client ({self.security_protocol})"
-
-
-_REFUSED_RESOURCE = {TopicAuthorizationFailedError: "topic",
-                     GroupAuthorizationFailedError: "consumer group",
-                     ClusterAuthorizationFailedError: "the cluster"}
-
-
-def refused_resource(err: AuthorizationError) -> str:
-    """What a broker's ACLs refused, in words: "topic a.rollout.runs"."""
-    names = sorted(str(name) for arg in err.args
-                   for name in (arg if isinstance(arg, set | list | tuple) else [arg]))
-    kind = next((kind for error, kind in _REFUSED_RESOURCE.items() if isinstance(err, error)),
-                "a resource")
-    return " ".join([kind, ", ".join(names)]).strip()
 
 
 def not_authorized(settings: KafkaSettings, err: AuthorizationError, service: str) -> ConfigError:

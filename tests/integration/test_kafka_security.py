@@ -234,9 +234,11 @@ def test_scram_over_tls_carries_a_run_into_delta_with_the_documented_acls(secure
 def test_a_processor_without_its_consumer_group_acl_is_one_line(secured, tmp_path):
     prefix = f"sec{uuid.uuid4().hex[:8]}."
     _grant(secured, SCRAM_USER, prefix, PROCESSOR_TOPIC_ACLS, create=True)
+    # A spool folder of its own: removing a killed processor's from the shared one logs a line.
     result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
                   str(tmp_path / "lake"), "--topic-prefix", prefix, "--event-partitions", "1",
-                  "--until-idle", "3", env=secured.env())
+                  "--until-idle", "3", "--spool-dir", str(tmp_path / "spool"),
+                  env=secured.env())
     # Both stages are refused; the user reads one of them.
     assert re.fullmatch(
         f"rolloutlake process: the broker at {re.escape(secured.sasl_ssl)} refuses SASL user "
@@ -289,6 +291,7 @@ def test_a_principal_that_may_not_see_the_topics_is_told_which(secured, tmp_path
     topics = KafkaSettings(topic_prefix=prefix).topics
     result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
                   str(tmp_path / "lake"), "--topic-prefix", prefix,
+                  "--spool-dir", str(tmp_path / "spool"),
                   env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
                                   sasl_password=PLAIN_PASSWORD))
     assert _one_line(result) == (
