@@ -78,6 +78,12 @@ class SecuredKafka:
     ca: Path
     other_ca: Path
 
+    def super_user(self, prefix: str = "") -> KafkaSettings:
+        """Settings for the internal listener, whose anonymous principal the ACLs do not
+        bind: what an admin creates topics and grants ACLs with."""
+        return KafkaSettings(bootstrap_servers=self.broker.bootstrap_servers,
+                             topic_prefix=prefix, event_partitions=1, decision_partitions=1)
+
     def env(self, **overrides: str) -> dict[str, str]:
         """The ROLLOUTLAKE_KAFKA_* variables of the SCRAM user, with `overrides`."""
         values = {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
@@ -131,18 +137,17 @@ def _cli(*args: str, env: dict[str, str],
                           text=True, timeout=180, env={**os.environ, **env})
 
 
-def _one_line(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
-
-
 def _last_line(result: subprocess.CompletedProcess[str]) -> str:
     """The error a command stopped on, after what it logged while it ran."""
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     return result.stderr.splitlines()[-1]
+
+
+def _one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The error a command stopped on, all it printed."""
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    return _last_line(result)
 
 
 # docs/kafka-security.md, "ACLs": what each service's principal needs on the contract
@@ -170,7 +175,7 @@ def _grant(secured: SecuredKafka, user: str, prefix: str, topic_acls: dict[str, 
     if group:
         acls.append(acl(ResourceType.GROUP, f"{prefix}rolloutlake", "READ",
                         ACLResourcePatternType.PREFIXED))
-    admin = KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers).admin()
+    admin = secured.super_user().admin()
     try:
         admin.create_acls(acls)
         mine = ACLFilter(f"User:{user}", None, ACLOperation.ANY, ACLPermissionType.ANY,
@@ -252,9 +257,8 @@ def test_a_processor_that_may_not_read_the_runs_topic_is_one_line(secured, tmp_p
     prefix = f"sec{uuid.uuid4().hex[:8]}."
     _grant(secured, SCRAM_USER, prefix, {**PROCESSOR_TOPIC_ACLS, "runs": ()}, create=True,
            group=True)
-    publish(KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers,
-                          topic_prefix=prefix, event_partitions=1, decision_partitions=1),
-            "a-run", {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
+    publish(secured.super_user(prefix), "a-run",
+            {"n_samples_per_prompt": 2, "rollout_batch_size": 1}, [])
     result = _cli("process", "--bootstrap-servers", secured.sasl_ssl, "--lake",
                   str(tmp_path / "lake"), "--topic-prefix", prefix, "--event-partitions", "1",
                   "--until-idle", "3", env=secured.env())
@@ -270,8 +274,7 @@ def test_another_command_refused_by_the_acls_is_one_line(secured):
     principal it may publish, not read them."""
     prefix = f"sec{uuid.uuid4().hex[:8]}."
     _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
-    KafkaSettings(bootstrap_servers=secured.broker.bootstrap_servers,
-                  topic_prefix=prefix).ensure_topics()
+    secured.super_user(prefix).ensure_topics()
     result = _cli("simulate", "--bootstrap-servers", secured.sasl_ssl, "--topic-prefix", prefix,
                   "--steps", "1", "--rollout-batch-size", "1", "--n-samples", "2",
                   env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,

@@ -53,7 +53,25 @@ def gateway_config(kafka: KafkaSettings, lake_root: str, state_dir: Path,
     return load_config(values, env={})
 
 
-class RunningGateway:
+class ServedGateway:
+    """A gateway the tests reach over loopback HTTP at `url`."""
+
+    url: str
+
+    def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S,
+                            **kwargs)
+
+    def openapi_schema(self) -> Any:
+        """The served OpenAPI schema, loaded by schemathesis (whose own timeout is 10 s)."""
+        import schemathesis  # only the schema tests load it
+
+        return schemathesis.openapi.from_url(f"{self.url}/openapi.json",
+                                             timeout=CLIENT_TIMEOUT_S)
+
+
+class RunningGateway(ServedGateway):
     """`create_app(config)` served by uvicorn on a free loopback port."""
 
     def __init__(self, config: GatewayConfig):
@@ -79,20 +97,8 @@ class RunningGateway:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
-    def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S,
-                            **kwargs)
 
-    def openapi_schema(self) -> Any:
-        """The served OpenAPI schema, loaded by schemathesis (whose own timeout is 10 s)."""
-        import schemathesis  # only the schema tests load it
-
-        return schemathesis.openapi.from_url(f"{self.url}/openapi.json",
-                                             timeout=CLIENT_TIMEOUT_S)
-
-
-class GatewayProcess:
+class GatewayProcess(ServedGateway):
     """`rolloutlake gateway --config <file>` in its own process, as deployed; `kill()`
     ends it with SIGKILL (no graceful shutdown, no final checkpoint)."""
 
@@ -142,18 +148,6 @@ class GatewayProcess:
         self.kill()
         if self.process is not None and self.process.stderr is not None:
             self.process.stderr.close()
-
-    def client(self, token: str | None = "admin-token", **kwargs: Any) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S,
-                            **kwargs)
-
-    def openapi_schema(self) -> Any:
-        """The served OpenAPI schema, loaded by schemathesis (whose own timeout is 10 s)."""
-        import schemathesis  # only the schema tests load it
-
-        return schemathesis.openapi.from_url(f"{self.url}/openapi.json",
-                                             timeout=CLIENT_TIMEOUT_S)
 
 
 def sample_events(run_id: str, group_index: int, n: int = 2, tokens: int = 64,
