@@ -3,7 +3,10 @@
 Requests never wait for a connection: while none is up they fail fast with
 `BrokerUnavailableError` (HTTP 503) and a background thread keeps reconnecting. A
 publisher whose sends failed is replaced, because an idempotent producer that lost its
-broker keeps failing with `UnknownProducerIdError` once a fresh broker answers.
+broker keeps failing with `UnknownProducerIdError` once a fresh broker answers. A broker
+whose ACLs refuse the gateway's principal is no outage: requests are answered with
+`AccessRefusedError` (HTTP 503, naming principal and topic), the publisher is kept, and
+the connector tries again slowly, so that ACLs granted later take effect without a restart.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError
 from kafka.producer.future import RecordMetadata
 
-from ingest.io.kafka import KafkaSettings, Record
+from ingest.io.kafka import PUBLISHERS, KafkaSettings, Record, not_authorized
 from ingest.sdk.publisher import RolloutPublisher
-from schemas.errors import BrokerUnavailableError, RolloutlakeError
+from schemas.errors import AccessRefusedError, BrokerUnavailableError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_S = 1.0
+# How often a principal the broker's ACLs refuse tries again.
+REFUSED_RETRY_S = 10.0
 
 
 class _NoLinger(KafkaSettings):
@@ -48,10 +53,16 @@ class GatewayProducer:
         self._stopping = threading.Event()
         self._connected = threading.Event()
         self._connector: threading.Thread | None = None
+        self._connect_error: RolloutlakeError | None = None
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def connect_error(self) -> RolloutlakeError | None:
+        """Why the last try to connect failed, while there is no publisher."""
+        return None if self.connected else self._connect_error
 
     def start(self, wait_s: float) -> None:
         """Start connecting; wait up to `wait_s` for the first connection."""
@@ -62,6 +73,8 @@ class GatewayProducer:
         """The live publisher, or `BrokerUnavailableError` while (re)connecting."""
         publisher = self._publisher
         if publisher is None:
+            if isinstance(self._connect_error, AccessRefusedError):
+                raise AccessRefusedError(str(self._connect_error))
             raise BrokerUnavailableError(
                 f"no Kafka broker answers at {self.kafka.bootstrap_servers}; reconnecting"
             )
@@ -81,11 +94,7 @@ class GatewayProducer:
             return [future.get(timeout=max(0.0, deadline - time.monotonic()))
                     for future in futures]
         except (KafkaError, BrokerUnavailableError) as err:
-            self._discard(publisher)
-            raise BrokerUnavailableError(
-                f"the broker did not acknowledge the events within {self.publish_timeout_s} s "
-                f"({type(err).__name__})"
-            ) from None
+            raise self._failed(publisher, err) from None
 
     async def send_async(self, records: Sequence[Record]) -> list[RecordMetadata]:
         """`send` for the event loop: hands the records to the producer (no I/O, no thread
@@ -117,11 +126,19 @@ class GatewayProducer:
                 return []
             return await asyncio.wait_for(done, self.publish_timeout_s)
         except (KafkaError, BrokerUnavailableError, TimeoutError) as err:
-            self._discard(publisher)
-            raise BrokerUnavailableError(
-                f"the broker did not acknowledge the events within {self.publish_timeout_s} s "
-                f"({type(err).__name__})"
-            ) from None
+            raise self._failed(publisher, err) from None
+
+    def _failed(self, publisher: RolloutPublisher, err: Exception) -> BrokerUnavailableError:
+        """What a request whose sends failed with `err` answers. A publisher the broker's ACLs
+        refuse is sound and kept; any other failure replaces it."""
+        if isinstance(err, AccessRefusedError):
+            return err
+        if isinstance(err, AuthorizationError):
+            return not_authorized(self.kafka, err, PUBLISHERS)
+        self._discard(publisher)
+        return BrokerUnavailableError(
+            f"the broker did not acknowledge the events within {self.publish_timeout_s} s "
+            f"({type(err).__name__})")
 
     def close(self) -> None:
         """Graceful shutdown: flush what was sent, stop reconnecting."""
@@ -154,15 +171,24 @@ class GatewayProducer:
             self._connector.start()
 
     def _connect_loop(self) -> None:
+        logged = None
         while not self._stopping.is_set():
             try:
                 publisher = RolloutPublisher(_NoLinger(**self.kafka.model_dump()))
             except RolloutlakeError as err:
-                log.warning("kafka not reachable, retrying: %s", err)
-                self._stopping.wait(RECONNECT_INTERVAL_S)
+                self._connect_error = err
+                refused = isinstance(err, AccessRefusedError)
+                if str(err) != logged:  # once per cause, not at every try
+                    logged = str(err)
+                    if refused:
+                        log.error("%s; trying again every %g s", err, REFUSED_RETRY_S)
+                    else:
+                        log.warning("kafka not reachable, retrying: %s", err)
+                self._stopping.wait(REFUSED_RETRY_S if refused else RECONNECT_INTERVAL_S)
                 continue
             with self._lock:
                 if not self._stopping.is_set():
+                    self._connect_error = None
                     self._publisher = publisher
                     self._connected.set()
                     log.info("connected to kafka at %s", self.kafka.bootstrap_servers)
@@ -174,8 +200,9 @@ class GatewayProducer:
 def _resolve(done: asyncio.Future[Any], value: Any, err: BaseException | None) -> None:
     if done.done():
         return
-    if err is not None:
-        done.set_exception(KafkaError(f"{type(err).__name__}: {err}"))
+    if err is not None:  # a KafkaError as kafka-python reports it: a refusal stays one
+        done.set_exception(err if isinstance(err, KafkaError)
+                           else KafkaError(f"{type(err).__name__}: {err}"))
     else:
         done.set_result(value)
 

@@ -42,7 +42,8 @@ DESCRIPTIONS = {
     403: "The token lacks the scope (read or write) on this run, or a global token is needed.",
     413: "Request body over the gateway's configured limit; nothing was read further.",
     422: "Invalid request; the answer names the field.",
-    503: "Kafka unavailable (`Retry-After` says when to retry); nothing was published.",
+    503: ("Kafka unavailable, or its ACLs refuse the gateway's principal (the `detail` says "
+          "which; `Retry-After` says when to retry); nothing was published."),
 }
 HEADERS = {
     401: {"WWW-Authenticate": {"description": "`Bearer`", "schema": {"type": "string"}}},

@@ -12,9 +12,9 @@ import threading
 from dataclasses import dataclass
 from typing import cast
 
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError
 
-from ingest.io.kafka import KafkaSettings, PartitionReader
+from ingest.io.kafka import PUBLISHERS, KafkaSettings, PartitionReader, not_authorized
 from schemas.errors import BrokerUnavailableError, EventValidationError
 from schemas.events import RunConfig, RunStarted, decode_event
 
@@ -58,6 +58,9 @@ class RunRegistry:
             try:
                 for record in self._connect().read_to_end(timeout_s=READ_LIMIT_S):
                     self._apply(record.value)
+            except AuthorizationError as err:
+                self._reset()
+                raise not_authorized(self.kafka, err, PUBLISHERS) from None
             except (KafkaError, TimeoutError) as err:
                 self._reset()
                 why = (f"not read to the end within {READ_LIMIT_S:.0f} s"

@@ -73,6 +73,12 @@ class BrokerUnavailableError(UnavailableError):
     """The Kafka bootstrap servers could not be reached."""
 
 
+class AccessRefusedError(BrokerUnavailableError):
+    """The broker answers but its ACLs refuse this client's principal a topic or consumer
+    group: an operator's to fix. A command stops on it; a server answers 503 until the
+    ACLs are granted."""
+
+
 class BrokerStartError(RolloutlakeError):
     """The embedded broker could not be started (binary missing, port taken, ...)."""
 

@@ -4,10 +4,10 @@ run on the events topic, read back to roll a checkpoint forward after a restart.
 from __future__ import annotations
 
 from kafka import TopicPartition
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError
 
 from gateway.prompts.cursor import LoggedRows
-from ingest.io.kafka import KafkaSettings, PartitionReader
+from ingest.io.kafka import PUBLISHERS, KafkaSettings, PartitionReader, not_authorized
 from schemas.errors import BrokerUnavailableError, EventValidationError, UnavailableError
 from schemas.events import GroupStarted, decode_event
 
@@ -54,6 +54,8 @@ def read_group_log(kafka: KafkaSettings, topic: str, run_id: str, start: dict[in
     except TimeoutError:
         raise UnavailableError(f"reading {topic} to restore run {run_id!r} took over "
                                f"{WAL_READ_LIMIT_S:.0f} s") from None
+    except AuthorizationError as err:
+        raise not_authorized(kafka, err, PUBLISHERS) from None
     except KafkaError as err:
         raise BrokerUnavailableError(
             f"could not read {topic} to restore the prompt cursor: {type(err).__name__}"

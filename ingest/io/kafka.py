@@ -42,8 +42,8 @@ from pydantic import (
 
 from ingest.io.kafka_transport import deliver_bytes_before_close
 from schemas.errors import (
+    AccessRefusedError,
     BrokerUnavailableError,
-    ConfigError,
     RolloutlakeError,
     refused_resource,
 )
@@ -505,8 +505,8 @@ class KafkaSettings(BaseModel):
 
         Under ACLs a principal sees only the topics it may DESCRIBE, and may lack CREATE: a
         topic it can neither see nor create is an error when it is one of `needed` (default:
-        all of them), and left to the services that use it otherwise. Raises `ConfigError`
-        naming the topics and the principal.
+        all of them), and left to the services that use it otherwise. Raises
+        `AccessRefusedError` naming the topics and the principal.
         """
         needed = set(self.topics.__dict__.values()) if needed is None else set(needed)
         refused = []
@@ -529,7 +529,7 @@ class KafkaSettings(BaseModel):
         finally:
             admin.close()
         if refused:
-            raise ConfigError(
+            raise AccessRefusedError(
                 f"{self.principal()} may neither see nor create {', '.join(refused)} on "
                 f"{self.bootstrap_servers}: grant it DESCRIBE on existing topics, or CREATE "
                 "to let rolloutlake create them (docs/kafka-security.md, \"ACLs\")")
@@ -542,10 +542,15 @@ class KafkaSettings(BaseModel):
         return f"this client ({self.security_protocol})"
 
 
-def not_authorized(settings: KafkaSettings, err: AuthorizationError, service: str) -> ConfigError:
+# The row of docs/kafka-security.md's ACL table that the SDK, the worker and the gateway share.
+PUBLISHERS = "publishers"
+
+
+def not_authorized(settings: KafkaSettings, err: AuthorizationError,
+                   service: str) -> AccessRefusedError:
     """A broker's ACL refusal as one line: who was refused which resource, and where the
     ACLs `service` needs are listed."""
-    return ConfigError(
+    return AccessRefusedError(
         f"the broker at {settings.bootstrap_servers} refuses {settings.principal()} access to "
         f"{refused_resource(err)}: grant it the ACLs of the {service} "
         "(docs/kafka-security.md, \"ACLs\")")

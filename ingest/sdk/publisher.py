@@ -16,15 +16,17 @@ import time
 import uuid
 from typing import Any
 
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError
 from kafka.producer.future import FutureRecordMetadata
 
 from ingest.io.kafka import (
     MAX_EVENT_BYTES,
+    PUBLISHERS,
     KafkaSettings,
     Record,
     Topics,
     close_producer,
+    not_authorized,
     unacknowledged,
 )
 from schemas.errors import BrokerUnavailableError, EventTooLargeError
@@ -97,6 +99,8 @@ class RolloutPublisher:
         """Send pre-encoded bytes (already validated by the caller) and track the future."""
         try:
             future = self._producer.send(topic, key=key, value=value)
+        except AuthorizationError as err:  # no DESCRIBE on the topic
+            raise not_authorized(self.settings, err, PUBLISHERS) from None
         except KafkaError as err:
             raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
         self._pending.append(future)
@@ -106,10 +110,16 @@ class RolloutPublisher:
         return future
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
-        """Block until every sent event is acknowledged; raise if any failed."""
+        """Block until every sent event is acknowledged; raise if any failed:
+        `AccessRefusedError` naming the principal and topic when the broker's ACLs refused
+        it, else `BrokerUnavailableError`."""
         why = unacknowledged(self._producer, self._pending, timeout_s)
+        refused = next((future.exception for future in self._pending if future.failed()
+                        and isinstance(future.exception, AuthorizationError)), None)
         # A later flush checks what this one timed out on.
         self._pending = [future for future in self._pending if not future.is_done]
+        if refused is not None:
+            raise not_authorized(self.settings, refused, PUBLISHERS)
         if why is not None:
             raise BrokerUnavailableError(f"events not acknowledged by the broker{why}")
 

@@ -3,12 +3,14 @@ limits, auth, and a broker outage (503, then a safe retry)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
 import orjson
 import pytest
 
+from gateway.producer import RECONNECT_INTERVAL_S, GatewayProducer
 from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
 from schemas.events import decode_event
@@ -166,3 +168,20 @@ def test_broker_down_is_503_with_retry_after_and_retry_is_safe(engine, lake_root
             assert float(refused.group(1)) >= 1  # plus any retry made while reconnecting
     finally:
         broker.stop()
+
+
+def test_an_outage_is_logged_once_not_at_every_reconnect(lake_root, tmp_path, caplog):
+    """No broker at the address: the connector tries every RECONNECT_INTERVAL_S and says so
+    once, until the cause changes."""
+    kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}",
+                          bootstrap_timeout_ms=200)
+    producer = GatewayProducer(kafka, publish_timeout_s=1)
+    caplog.set_level(logging.INFO, logger="gateway.producer")
+    try:
+        producer.start(wait_s=4 * RECONNECT_INTERVAL_S)
+    finally:
+        producer.close()
+    warned = [r.getMessage() for r in caplog.records if r.name == "gateway.producer"]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"kafka not reachable, retrying: no Kafka broker answers at {kafka.bootstrap_servers}")
+    assert str(producer.connect_error) in warned[0]

@@ -35,11 +35,20 @@ from kafka.admin import (
 )
 from kafka.errors import TopicAuthorizationFailedError
 
+from gateway.producer import REFUSED_RETRY_S
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
-from schemas.errors import BrokerUnavailableError
+from ingest.sdk.publisher import RolloutPublisher
+from schemas.errors import AccessRefusedError, BrokerUnavailableError
+from schemas.events import decode_event
 from tests.integration.pipeline import event, publish, rows, sample
 from tests.support.coalescing_proxy import coalescing_proxy
+from tests.support.gateway_support import (
+    RunningGateway,
+    consume_all,
+    gateway_config,
+    sample_events,
+)
 from tests.support.suite_kafka import SUITE_BOOTSTRAP_TIMEOUT_MS, SUITE_BROKER_START_S
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
@@ -302,6 +311,77 @@ def test_a_principal_that_may_not_see_the_topics_is_told_which(secured, tmp_path
         f"{topics.runs}, {topics.events}, {topics.decisions}, {topics.control}, "
         f"{topics.deadletter} on {secured.sasl_ssl}: grant it DESCRIBE on existing topics, "
         'or CREATE to let rolloutlake create them (docs/kafka-security.md, "ACLs")')
+
+
+def test_a_refused_gateway_says_whom_and_serves_once_granted(secured, lake_root, tmp_path,
+                                                              caplog):
+    """A gateway whose principal may not see the topics answers 503 naming principal and
+    topics (not "no Kafka broker answers"), says so once in its log and in /healthz, and
+    publishes once the ACLs are granted, without a restart."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    topics = KafkaSettings(topic_prefix=prefix).topics
+    refusal = (f"SASL user '{PLAIN_USER}' may neither see nor create {topics.runs}, "
+               f"{topics.events} on {secured.sasl_ssl}: grant it DESCRIBE on existing topics, "
+               'or CREATE to let rolloutlake create them (docs/kafka-security.md, "ACLs")')
+    config = gateway_config(_as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN"),
+                            lake_root, tmp_path / "state", retry_after_s=7)
+    events = sample_events("run-a", 0)
+    with RunningGateway(config) as gw, gw.client() as client:
+        refused = client.post("/v1/events", json=events)
+        assert (refused.status_code, refused.json()) == (503, {"detail": refusal})
+        assert refused.headers["Retry-After"] == "7"
+        assert client.get("/healthz").json() == {"status": "ok", "kafka": "refused",
+                                                 "kafka_error": refusal, "lake": lake_root}
+        _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
+        deadline = time.monotonic() + 3 * REFUSED_RETRY_S
+        while client.get("/healthz").json()["kafka"] != "connected":
+            assert time.monotonic() < deadline, "the gateway did not connect once granted"
+            time.sleep(0.5)
+        assert client.post("/v1/events", json=events).status_code == 202
+    published = consume_all(secured.super_user(prefix), topics.events)
+    assert sorted(decode_event(r.value).event_id for r in published) == sorted(
+        e["event_id"] for e in events)
+    # as an error, once per cause (test_gateway_events.py checks the once, on an outage)
+    assert [r.getMessage() for r in caplog.records if "may neither see" in r.getMessage()] == [
+        f"{refusal}; trying again every {REFUSED_RETRY_S:g} s"]
+
+
+def test_a_gateway_refused_a_write_names_the_topic_and_keeps_its_connection(
+        secured, lake_root, tmp_path):
+    """Allowed to see the topics but not to write them: the send is refused, the answer says
+    by whom, and the gateway's producer is sound, not replaced as after an outage."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    _grant(secured, PLAIN_USER, prefix, {"events": (), "runs": ()})
+    topics = KafkaSettings(topic_prefix=prefix).topics
+    config = gateway_config(_as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN"),
+                            lake_root, tmp_path / "state")
+    with RunningGateway(config) as gw, gw.client() as client:
+        assert client.get("/healthz").json()["kafka"] == "connected"
+        for _ in range(2):
+            refused = client.post("/v1/events", json=sample_events("run-a", 0))
+            assert (refused.status_code, refused.json()) == (503, {"detail": (
+                f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to "
+                f"topic {topics.events}: grant it the ACLs of the publishers "
+                '(docs/kafka-security.md, "ACLs")')})
+            assert client.get("/healthz").json()["kafka"] == "connected"
+
+
+def test_a_publisher_refused_a_write_is_told_by_whom(secured):
+    """The SDK's flush names principal and topic, where it said "not acknowledged"."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    _grant(secured, PLAIN_USER, prefix, {"events": ("WRITE",), "runs": ()})
+    settings = _as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN")
+    with RolloutPublisher(settings) as publisher:
+        publisher.run_started("run-a", {"n_samples_per_prompt": 2, "rollout_batch_size": 1})
+        with pytest.raises(AccessRefusedError) as refused:
+            publisher.flush()
+    assert str(refused.value) == (
+        f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to topic "
+        f"{settings.topics.runs}: grant it the ACLs of the publishers "
+        '(docs/kafka-security.md, "ACLs")')
 
 
 def test_sasl_plain_over_tls_is_accepted(secured):
