@@ -12,6 +12,9 @@ of a group share a partition, and refused with `EventTooLargeError` above 8 MiB.
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -29,7 +32,7 @@ from ingest.io.kafka import (
     not_authorized,
     unacknowledged,
 )
-from schemas.errors import BrokerUnavailableError, EventTooLargeError
+from schemas.errors import AccessRefusedError, BrokerUnavailableError, EventTooLargeError
 from schemas.events import (
     SCHEMA_VERSION,
     AnyEvent,
@@ -40,6 +43,9 @@ from schemas.events import (
 )
 
 _UNSET: Any = object()
+log = logging.getLogger(__name__)
+# How often a publisher riding out an outage tries a new connection.
+RECONNECT_INTERVAL_S = 1.0
 
 
 def event_record(event: AnyEvent, topics: Topics, *, max_bytes: int = MAX_EVENT_BYTES) -> Record:
@@ -67,22 +73,34 @@ class RolloutPublisher:
         producer_id: str | None = None,
         create_topics: bool = True,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        outage_grace_s: float = 0.0,
     ):
+        """`outage_grace_s`: how long a `flush` that finds events unacknowledged rides the
+        outage out (below) before it raises; 0 raises at once."""
         self.settings = (
             bootstrap_servers
             if isinstance(bootstrap_servers, KafkaSettings)
             else KafkaSettings(bootstrap_servers=bootstrap_servers)
         )
-        topics = self.settings.topics
+        self.create_topics = create_topics
+        self.topics = self._ensure_topics()
+        self.producer_id = producer_id
+        self.max_event_bytes = max_event_bytes
+        self.outage_grace_s = outage_grace_s
+        self._producer = self.settings.producer()
+        # Each send not acknowledged yet, with its record, to send again after an outage;
+        # an acknowledgement removes it (on the producer's thread, hence the lock).
+        self._pending: dict[int, tuple[Record, FutureRecordMetadata]] = {}
+        self._pending_lock = threading.Lock()
+        self._sends = itertools.count()
+
+    def _ensure_topics(self) -> Topics:
         # Every contract topic where the principal may create it (their partition counts
         # matter before the processor runs); under ACLs a publisher needs only the two it
         # writes.
-        self.topics = (self.settings.ensure_topics(needed=(topics.runs, topics.events))
-                       if create_topics else topics)
-        self.producer_id = producer_id
-        self.max_event_bytes = max_event_bytes
-        self._producer = self.settings.producer()
-        self._pending: list[FutureRecordMetadata] = []
+        topics = self.settings.topics
+        return (self.settings.ensure_topics(needed=(topics.runs, topics.events))
+                if self.create_topics else topics)
 
     # -- generic -----------------------------------------------------------------------
 
@@ -98,30 +116,101 @@ class RolloutPublisher:
     def send_raw(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
         """Send pre-encoded bytes (already validated by the caller) and track the future."""
         try:
-            future = self._producer.send(topic, key=key, value=value)
+            future = self._send(topic, key, value)
+        except BrokerUnavailableError as err:
+            # The producer's buffer stayed full, or it found no metadata, for `max_block_ms`;
+            # or a ride-out that outlasted its grace closed it.
+            if self.outage_grace_s <= 0 or isinstance(err, AccessRefusedError):
+                raise
+            self.flush()  # what is pending first
+            if not self._replace_producer(time.monotonic() + self.outage_grace_s):
+                raise
+            future = self._send(topic, key, value)
+        self._track(next(self._sends), (topic, key, value), future)
+        return future
+
+    def _send(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
+        try:
+            return self._producer.send(topic, key=key, value=value)
         except AuthorizationError as err:  # no DESCRIBE on the topic
             raise not_authorized(self.settings, err, PUBLISHERS) from None
         except KafkaError as err:
             raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
-        self._pending.append(future)
-        if len(self._pending) > 10000:
-            # A failed send stays until a flush reports it.
-            self._pending = [f for f in self._pending if not f.succeeded()]
-        return future
+
+    def _track(self, number: int, record: Record, future: FutureRecordMetadata) -> None:
+        with self._pending_lock:
+            self._pending[number] = record, future
+        future.add_callback(self._acknowledged, number, future)
+
+    def _acknowledged(self, number: int, future: FutureRecordMetadata, _: object) -> None:
+        with self._pending_lock:
+            if self._pending.get(number, (None, None))[1] is future:  # not sent again since
+                del self._pending[number]
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
         """Block until every sent event is acknowledged; raise if any failed:
         `AccessRefusedError` naming the principal and topic when the broker's ACLs refused
-        it, else `BrokerUnavailableError`."""
-        why = unacknowledged(self._producer, self._pending, timeout_s)
-        refused = next((future.exception for future in self._pending if future.failed()
-                        and isinstance(future.exception, AuthorizationError)), None)
-        # A later flush checks what this one timed out on.
-        self._pending = [future for future in self._pending if not future.is_done]
+        it, else `BrokerUnavailableError`.
+
+        With `outage_grace_s`, events that a flush finds unacknowledged (a broker restarted,
+        failed over, or away for a while) are sent again by a new producer until the broker
+        takes them or the grace has passed. A new producer, because an idempotent one whose
+        requests timed out can stop sending even once the broker is back (docs/producers.md).
+        An event the broker had taken before its acknowledgement was lost is then published
+        twice, which the processor applies once (by `event_id`).
+        """
+        give_up_at: float | None = None  # counted from the first round that fell short
+        while True:
+            with self._pending_lock:
+                pending = list(self._pending.items())
+            why = unacknowledged(self._producer, [future for _, (_, future) in pending],
+                                 timeout_s)
+            refused = next((future.exception for _, (_, future) in pending if future.failed()
+                            and isinstance(future.exception, AuthorizationError)), None)
+            if refused is not None or why is None:
+                break
+            now = time.monotonic()
+            if give_up_at is None:
+                give_up_at = now + self.outage_grace_s
+            if now < give_up_at:
+                log.warning("events not acknowledged by the broker%s; sending them again "
+                            "with a new producer for up to %.0f s more", why, give_up_at - now)
+            if now >= give_up_at or not self._replace_producer(give_up_at):
+                if self.outage_grace_s > 0:
+                    why = f"{why}, nor by a new producer within {self.outage_grace_s:g} s"
+                break
+            try:
+                for number, (record, _) in pending:
+                    if number in self._pending:
+                        self._track(number, record, self._send(*record))
+            except AccessRefusedError:
+                raise
+            except BrokerUnavailableError:
+                continue  # gone again: the next round finds the rest unacknowledged
+        with self._pending_lock:  # a later flush checks what this one timed out on
+            self._pending = {number: sent for number, sent in self._pending.items()
+                             if not sent[1].is_done}
         if refused is not None:
             raise not_authorized(self.settings, refused, PUBLISHERS)
         if why is not None:
             raise BrokerUnavailableError(f"events not acknowledged by the broker{why}")
+
+    def _replace_producer(self, give_up_at: float) -> bool:
+        """Close the producer (what it still holds fails) and connect a new one, trying until
+        `give_up_at`; False if no broker answered by then."""
+        close_producer(self._producer, timeout_s=0)
+        while True:
+            try:
+                self._ensure_topics()  # a broker restarted empty (Tansu keeps no topics)
+                self._producer = self.settings.producer()
+                return True
+            except AccessRefusedError:
+                raise
+            except BrokerUnavailableError as err:
+                if time.monotonic() + RECONNECT_INTERVAL_S >= give_up_at:
+                    log.warning("no new producer: %s", err)
+                    return False
+                time.sleep(RECONNECT_INTERVAL_S)
 
     def close(self) -> None:
         """Flush (raising if an event was not acknowledged), then close. Events still unsent

@@ -165,6 +165,11 @@ class WorkerConfig(BaseModel):
     """Miles `--mask-offpolicy-in-partial-rollout`: a continued sample's tokens generated
     under older weights than the ones that finish it get loss mask 0. Needs
     `--partial-rollout`."""
+    broker_outage_s: float = Field(default=120.0, ge=0)
+    """How long the worker rides out a Kafka outage (a broker restarted or failed over):
+    the events the broker did not acknowledge are sent again by a new producer until it
+    takes them. Past it the worker stops with exit code 2; 0 stops at the first step whose
+    events were not acknowledged within 30 s."""
     max_in_flight: int = Field(default=64, ge=1)
     """Most engine requests open at once, over all engines."""
     request_timeout_s: float = Field(default=600.0, gt=0)

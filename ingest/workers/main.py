@@ -75,7 +75,8 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts: PromptSource
     settings = config.kafka
     follower: ControlFollower | None = None
     try:
-        with RolloutPublisher(settings, producer_id=config.producer_id) as publisher:
+        with RolloutPublisher(settings, producer_id=config.producer_id,
+                              outage_grace_s=config.broker_outage_s) as publisher:
             worker = RolloutWorker(config, publisher=publisher, engines=engines,
                                    tokenizer=tokenizer, reward_fn=reward_fn, prompts=prompts,
                                    terminal=sys.stderr)

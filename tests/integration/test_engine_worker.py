@@ -654,19 +654,21 @@ def test_a_broker_killed_under_a_worker_stops_it_at_the_end_of_the_step(engine, 
         worker = subprocess.Popen(
             worker_command(engine, kafka, run_id, dataset, "--n-samples-per-prompt", "2",
                            "--rollout-batch-size", "2", "--num-steps", "30",
-                           "--seal-wait-s", "900"),
+                           "--seal-wait-s", "900", "--broker-outage-s", "5"),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_for_event(kafka, run_id, "group_started", worker)
         assert broker.process is not None
         os.kill(broker.process.pid, signal.SIGKILL)
-        _, err = worker.communicate(timeout=300)  # the step's flush gives up after 30 s
+        # the step's flush gives up after 30 s, a new producer 5 s later
+        _, err = worker.communicate(timeout=300)
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()
         broker.stop()
     assert worker.returncode == 2, err[-2000:]
     last = err.strip().splitlines()[-1]
-    assert last == ("rolloutlake worker: events not acknowledged by the broker within 30 s"), last
+    assert last == ("rolloutlake worker: events not acknowledged by the broker within 30 s, "
+                    "nor by a new producer within 5 s"), last
 
 
 def _gateway_worker(engine, kafka, run_id: str, gateway_url: str, *extra: str) -> list[str]:

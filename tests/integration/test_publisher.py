@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import pytest
@@ -12,11 +13,11 @@ from kafka.errors import KafkaTimeoutError
 from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 from kafka.structs import TopicPartition
 
-from ingest.io.broker import EmbeddedBroker, free_port
+from ingest.io.broker import ENGINES, EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings, read_topics
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import BrokerUnavailableError, EventTooLargeError, EventValidationError
-from schemas.events import decode_event
+from schemas.events import AnyEvent, decode_event
 from tests.support.gateway_support import consume_all
 from tests.support.suite_kafka import SUITE_BROKER_START_S
 
@@ -108,14 +109,15 @@ def test_leaving_the_block_on_an_unacknowledged_event_does_not_wait_again():
 
 
 def test_a_failed_send_is_reported_by_the_next_flush_however_many_sends_follow(kafka):
-    """Past 10,000 tracked sends the publisher forgets those that completed. It forgot the
-    failed ones too, and the flush after them passed though an event was never published.
-    The failure stands for a record kafka-python gave up (its delivery timeout); the
-    10,001 sends after it are real."""
+    """The publisher forgets each send once it is acknowledged. It once forgot failed ones
+    too (past 10,000 tracked sends), and the flush after them passed though an event was
+    never published. The failure stands for a record kafka-python gave up (its delivery
+    timeout); the 10,001 sends after it are real."""
     pub = RolloutPublisher(kafka)
     try:
         given_up = FutureProduceResult(TopicPartition(kafka.topics.events, 0))
-        pub._pending.append(FutureRecordMetadata(given_up, 0, -1, None, 1, 1, -1))
+        pub._pending[-1] = ((kafka.topics.events, b"k", b"lost"),
+                            FutureRecordMetadata(given_up, 0, -1, None, 1, 1, -1))
         given_up.failure(KafkaTimeoutError("Expiring 1 record(s): delivery timeout"))
         for index in range(10_001):
             pub.send_raw(kafka.topics.events, b"k", str(index).encode())
@@ -128,3 +130,69 @@ def test_a_failed_send_is_reported_by_the_next_flush_however_many_sends_follow(k
     # Tansu under-reports the end offset of a multi-record batch: read until quiet too.
     events = read_topics(kafka, [kafka.topics.events], what="test", timeout_s=60, quiet_ms=1000)
     assert len(events) == 10_001
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_publisher_with_a_grace_rides_out_a_broker_restart(engine):
+    """Events the broker had not acknowledged when it went, and those sent while it was
+    away, are published once it is back: a new producer sends them again. Without the grace
+    the flush raised on Tansu, which stopped a worker at the first restart of its broker
+    (the producer that lived through Apache Kafka's restart here sent again by itself)."""
+    port = free_port()
+    broker = EmbeddedBroker(port, engine=engine).start(SUITE_BROKER_START_S)
+    settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="back.",
+                             request_timeout_ms=2000)
+    try:
+        with RolloutPublisher(settings, outage_grace_s=120) as pub:
+            pub.run_started("run-r", {"n_samples_per_prompt": 1, "rollout_batch_size": 1})
+            pub.flush()
+            broker.stop()
+
+            def publish_while_away() -> list[AnyEvent]:
+                sent = [pub.group_started("run-r", group_index=index, step=0, n_samples=1,
+                                          prompt="hi") for index in range(20)]
+                pub.flush(timeout_s=2)
+                return sent
+
+            # The broker is started by this thread, which it dies with.
+            with ThreadPoolExecutor(1) as away:
+                publishing = away.submit(publish_while_away)
+                time.sleep(3)
+                broker = EmbeddedBroker(port, engine=engine).start(SUITE_BROKER_START_S)
+                settings.ensure_topics()  # as a broker with storage would still hold them
+                sent = publishing.result()
+        published = {decode_event(r.value).event_id
+                     for r in consume_all(settings, settings.topics.events)}
+        assert {event.event_id for event in sent} <= published
+    finally:
+        broker.stop()
+
+
+def test_a_publisher_whose_broker_stays_away_gives_up_after_its_grace_and_recovers():
+    """The flush raises once the grace has passed, naming it; the publisher, whose producer
+    the ride-out closed, sends again with a new one once a broker answers."""
+    port = free_port()
+    broker = EmbeddedBroker(port).start(SUITE_BROKER_START_S)
+    settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers, topic_prefix="away.",
+                             bootstrap_timeout_ms=500)
+    try:
+        with RolloutPublisher(settings, outage_grace_s=3) as pub:
+            pub.run_started("run-w", {"n_samples_per_prompt": 1, "rollout_batch_size": 1})
+            pub.flush()
+            os.kill(broker.process.pid, signal.SIGKILL)
+            pub.group_started("run-w", group_index=0, step=0, n_samples=1, prompt="hi")
+            flushing = time.monotonic()
+            with pytest.raises(BrokerUnavailableError) as raised:
+                pub.flush(timeout_s=1)
+            assert time.monotonic() - flushing < 15
+            assert str(raised.value) == ("events not acknowledged by the broker within 1 s, "
+                                         "nor by a new producer within 3 s")
+            broker.stop()
+            broker = EmbeddedBroker(port).start(SUITE_BROKER_START_S)
+            again = pub.group_started("run-w", group_index=1, step=0, n_samples=1, prompt="hi")
+            pub.flush()
+        published = [decode_event(r.value).event_id
+                     for r in consume_all(settings, settings.topics.events)]
+        assert published == [again.event_id]  # the restarted broker holds no earlier event
+    finally:
+        broker.stop()
