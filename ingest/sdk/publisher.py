@@ -12,9 +12,7 @@ of a group share a partition, and refused with `EventTooLargeError` above 8 MiB.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -46,6 +44,8 @@ _UNSET: Any = object()
 log = logging.getLogger(__name__)
 # How often a publisher riding out an outage tries a new connection.
 RECONNECT_INTERVAL_S = 1.0
+PRUNE_SENDS = 10_000
+PRUNE_BYTES = 64 * 1024 * 1024
 
 
 def event_record(event: AnyEvent, topics: Topics, *, max_bytes: int = MAX_EVENT_BYTES) -> Record:
@@ -88,11 +88,10 @@ class RolloutPublisher:
         self.max_event_bytes = max_event_bytes
         self.outage_grace_s = outage_grace_s
         self._producer = self.settings.producer()
-        # Each send not acknowledged yet, with its record, to send again after an outage;
-        # an acknowledgement removes it (on the producer's thread, hence the lock).
-        self._pending: dict[int, tuple[Record, FutureRecordMetadata]] = {}
-        self._pending_lock = threading.Lock()
-        self._sends = itertools.count()
+        # The sends a flush checks, each with its record when there is a grace (to send it
+        # again); those acknowledged are dropped every PRUNE_SENDS sends or PRUNE_BYTES.
+        self._pending: list[tuple[FutureRecordMetadata, Record | None]] = []
+        self._sent_since_prune = self._bytes_since_prune = 0
 
     def _ensure_topics(self) -> Topics:
         # Every contract topic where the principal may create it (their partition counts
@@ -126,7 +125,13 @@ class RolloutPublisher:
             if not self._replace_producer(time.monotonic() + self.outage_grace_s):
                 raise
             future = self._send(topic, key, value)
-        self._track(next(self._sends), (topic, key, value), future)
+        self._pending.append((future, (topic, key, value) if self.outage_grace_s > 0 else None))
+        self._sent_since_prune += 1
+        self._bytes_since_prune += len(value)
+        if self._sent_since_prune >= PRUNE_SENDS or self._bytes_since_prune >= PRUNE_BYTES:
+            # A failed send stays until a flush reports it.
+            self._pending = [sent for sent in self._pending if not sent[0].succeeded()]
+            self._sent_since_prune = self._bytes_since_prune = 0
         return future
 
     def _send(self, topic: str, key: bytes, value: bytes) -> FutureRecordMetadata:
@@ -136,16 +141,6 @@ class RolloutPublisher:
             raise not_authorized(self.settings, err, PUBLISHERS) from None
         except KafkaError as err:
             raise BrokerUnavailableError(f"could not publish to {topic}: {err}") from None
-
-    def _track(self, number: int, record: Record, future: FutureRecordMetadata) -> None:
-        with self._pending_lock:
-            self._pending[number] = record, future
-        future.add_callback(self._acknowledged, number, future)
-
-    def _acknowledged(self, number: int, future: FutureRecordMetadata, _: object) -> None:
-        with self._pending_lock:
-            if self._pending.get(number, (None, None))[1] is future:  # not sent again since
-                del self._pending[number]
 
     def flush(self, timeout_s: float | None = 30.0) -> None:
         """Block until every sent event is acknowledged; raise if any failed:
@@ -161,11 +156,9 @@ class RolloutPublisher:
         """
         give_up_at: float | None = None  # counted from the first round that fell short
         while True:
-            with self._pending_lock:
-                pending = list(self._pending.items())
-            why = unacknowledged(self._producer, [future for _, (_, future) in pending],
+            why = unacknowledged(self._producer, [future for future, _ in self._pending],
                                  timeout_s)
-            refused = next((future.exception for _, (_, future) in pending if future.failed()
+            refused = next((future.exception for future, _ in self._pending if future.failed()
                             and isinstance(future.exception, AuthorizationError)), None)
             if refused is not None or why is None:
                 break
@@ -180,20 +173,30 @@ class RolloutPublisher:
                     why = f"{why}, nor by a new producer within {self.outage_grace_s:g} s"
                 break
             try:
-                for number, (record, _) in pending:
-                    if number in self._pending:
-                        self._track(number, record, self._send(*record))
+                self._send_again()
             except AccessRefusedError:
                 raise
             except BrokerUnavailableError:
                 continue  # gone again: the next round finds the rest unacknowledged
-        with self._pending_lock:  # a later flush checks what this one timed out on
-            self._pending = {number: sent for number, sent in self._pending.items()
-                             if not sent[1].is_done}
+        # A later flush checks what this one timed out on.
+        self._pending = [sent for sent in self._pending if not sent[0].is_done]
         if refused is not None:
             raise not_authorized(self.settings, refused, PUBLISHERS)
         if why is not None:
             raise BrokerUnavailableError(f"events not acknowledged by the broker{why}")
+
+    def _send_again(self) -> None:
+        """Send the records not acknowledged again, with the new producer."""
+        unacknowledged = [sent for sent in self._pending if not sent[0].succeeded()]
+        resent: list[tuple[FutureRecordMetadata, Record | None]] = []
+        for index, (_, record) in enumerate(unacknowledged):
+            assert record is not None  # kept whenever there is a grace
+            try:
+                resent.append((self._send(*record), record))
+            except BrokerUnavailableError:
+                self._pending = resent + unacknowledged[index:]
+                raise
+        self._pending = resent
 
     def _replace_producer(self, give_up_at: float) -> bool:
         """Close the producer (what it still holds fails) and connect a new one, trying until

@@ -109,15 +109,14 @@ def test_leaving_the_block_on_an_unacknowledged_event_does_not_wait_again():
 
 
 def test_a_failed_send_is_reported_by_the_next_flush_however_many_sends_follow(kafka):
-    """The publisher forgets each send once it is acknowledged. It once forgot failed ones
-    too (past 10,000 tracked sends), and the flush after them passed though an event was
-    never published. The failure stands for a record kafka-python gave up (its delivery
-    timeout); the 10,001 sends after it are real."""
+    """Past 10,000 tracked sends the publisher forgets those that completed. It forgot the
+    failed ones too, and the flush after them passed though an event was never published.
+    The failure stands for a record kafka-python gave up (its delivery timeout); the
+    10,001 sends after it are real."""
     pub = RolloutPublisher(kafka)
     try:
         given_up = FutureProduceResult(TopicPartition(kafka.topics.events, 0))
-        pub._pending[-1] = ((kafka.topics.events, b"k", b"lost"),
-                            FutureRecordMetadata(given_up, 0, -1, None, 1, 1, -1))
+        pub._pending.append((FutureRecordMetadata(given_up, 0, -1, None, 1, 1, -1), None))
         given_up.failure(KafkaTimeoutError("Expiring 1 record(s): delivery timeout"))
         for index in range(10_001):
             pub.send_raw(kafka.topics.events, b"k", str(index).encode())
