@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kafka.errors import AuthorizationError, KafkaError
+from kafka.errors import KafkaError
 from kafka.producer.future import RecordMetadata
 
-from ingest.io.kafka import PUBLISHERS, KafkaSettings, Record, not_authorized
+from ingest.io.kafka import PUBLISHERS, KafkaSettings, Record, acl_refusal, not_authorized
 from ingest.sdk.publisher import RolloutPublisher
 from schemas.errors import AccessRefusedError, BrokerUnavailableError, RolloutlakeError
 
@@ -133,8 +133,9 @@ class GatewayProducer:
         refuse is sound and kept; any other failure replaces it."""
         if isinstance(err, AccessRefusedError):
             return err
-        if isinstance(err, AuthorizationError):
-            return not_authorized(self.kafka, err, PUBLISHERS)
+        refusal = acl_refusal(err)
+        if refusal is not None:
+            return not_authorized(self.kafka, refusal, PUBLISHERS)
         self._discard(publisher)
         return BrokerUnavailableError(
             f"the broker did not acknowledge the events within {self.publish_timeout_s} s "

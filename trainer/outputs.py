@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 from kafka.errors import KafkaError
 
-from ingest.io.kafka import close_producer
+from ingest.io.kafka import acl_refusal, close_producer, not_authorized
 from ingest.io.lake import Lake, TxnMark
 from schemas.control import WeightsUpdated
 from schemas.errors import BrokerUnavailableError
@@ -116,7 +116,8 @@ class StepSink:
 
     def publish_weights(self, step: int, path: Path, version: int) -> None:
         """Send `weights_updated` keyed by run_id, when Kafka is configured (acks=all,
-        idempotent; an unreachable broker raises `BrokerUnavailableError`)."""
+        idempotent; an unreachable broker raises `BrokerUnavailableError`, a refusal by its
+        ACLs `AccessRefusedError`)."""
         kafka = self.config.kafka
         if kafka is None:
             return
@@ -132,6 +133,9 @@ class StepSink:
                 value=message.model_dump_json().encode(),
             ).get(timeout=WEIGHTS_ACK_TIMEOUT_S)
         except KafkaError as err:
+            refusal = acl_refusal(err)
+            if refusal is not None:  # the user's to fix; the producer is sound
+                raise not_authorized(kafka, refusal, "trainer") from None
             # Dropped: kafka-python's exit handler printed tracebacks closing a producer
             # that still held the record, and an idempotent one whose request timed out
             # can send nothing more (docs/producers.md).

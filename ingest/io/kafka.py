@@ -24,6 +24,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import (
     AuthorizationError,
+    ClusterAuthorizationFailedError,
     KafkaError,
     KafkaTimeoutError,
     TopicAlreadyExistsError,
@@ -546,14 +547,27 @@ class KafkaSettings(BaseModel):
 PUBLISHERS = "publishers"
 
 
+def acl_refusal(err: BaseException | None) -> AuthorizationError | None:
+    """`err` as the refusal by the broker's ACLs that it is, else None. kafka-python reports
+    a refused InitProducerId (an idempotent producer whose principal may WRITE no topic)
+    as a plain KafkaError that names ClusterAuthorizationFailedError."""
+    if isinstance(err, AuthorizationError):
+        return err
+    if isinstance(err, KafkaError) and "ClusterAuthorizationFailedError" in str(err):
+        return ClusterAuthorizationFailedError()
+    return None
+
+
 def not_authorized(settings: KafkaSettings, err: AuthorizationError,
                    service: str) -> AccessRefusedError:
     """A broker's ACL refusal as one line: who was refused which resource, and where the
     ACLs `service` needs are listed."""
+    refused = ("an idempotent producer (it needs WRITE on a topic)"
+               if isinstance(err, ClusterAuthorizationFailedError)
+               else f"access to {refused_resource(err)}")
     return AccessRefusedError(
-        f"the broker at {settings.bootstrap_servers} refuses {settings.principal()} access to "
-        f"{refused_resource(err)}: grant it the ACLs of the {service} "
-        "(docs/kafka-security.md, \"ACLs\")")
+        f"the broker at {settings.bootstrap_servers} refuses {settings.principal()} {refused}: "
+        f"grant it the ACLs of the {service} (docs/kafka-security.md, \"ACLs\")")
 
 
 # What an SSL handshake with a plaintext listener fails with (OpenSSL 3 wording varies).

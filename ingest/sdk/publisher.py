@@ -26,6 +26,7 @@ from ingest.io.kafka import (
     KafkaSettings,
     Record,
     Topics,
+    acl_refusal,
     close_producer,
     not_authorized,
     unacknowledged,
@@ -158,8 +159,9 @@ class RolloutPublisher:
         while True:
             why = unacknowledged(self._producer, [future for future, _ in self._pending],
                                  timeout_s)
-            refused = next((future.exception for future, _ in self._pending if future.failed()
-                            and isinstance(future.exception, AuthorizationError)), None)
+            refused = next(filter(None, (acl_refusal(future.exception)
+                                         for future, _ in self._pending if future.failed())),
+                           None)
             if refused is not None or why is None:
                 break
             now = time.monotonic()

@@ -11,10 +11,12 @@ import threading
 from collections.abc import Callable
 
 import orjson
+from kafka.errors import AuthorizationError, KafkaError
 from pydantic import ValidationError
 
-from ingest.io.kafka import KafkaSettings, PartitionReader
+from ingest.io.kafka import PUBLISHERS, KafkaSettings, PartitionReader, not_authorized
 from schemas.control import CONTROL_MODELS, Demand, StepSealed, WeightsUpdated
+from schemas.errors import BrokerUnavailableError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +27,16 @@ Followed = StepSealed | Demand | WeightsUpdated
 
 class ControlFollower:
     """Calls `on_message(message)` from its own thread for each `step_sealed`, `demand`
-    and `weights_updated` of `run_id`."""
+    and `weights_updated` of `run_id`, and `on_error(error)` once if it cannot follow on:
+    a worker deaf to seals would never cancel, nor issue what a demand asks for."""
 
     def __init__(self, settings: KafkaSettings, run_id: str,
-                 on_message: Callable[[Followed], object]):
+                 on_message: Callable[[Followed], object],
+                 on_error: Callable[[RolloutlakeError], object]):
+        self.settings = settings
         self.run_id = run_id
         self.on_message = on_message
+        self.on_error = on_error
         # A stalled fetch would leave the loop deaf to seals: it would never cancel.
         self._reader = PartitionReader(settings, [settings.topics.control], what="control "
                                        "follower", from_end=True)
@@ -48,12 +54,18 @@ class ControlFollower:
         self._reader.close()
 
     def _follow(self) -> None:
-        while not self._stop.is_set():
-            for records in self._reader.poll(timeout_ms=POLL_MS).values():
-                for record in records:
-                    message = self._followed(record.value)
-                    if message is not None:
-                        self.on_message(message)
+        try:
+            while not self._stop.is_set():
+                for records in self._reader.poll(timeout_ms=POLL_MS).values():
+                    for record in records:
+                        message = self._followed(record.value)
+                        if message is not None:
+                            self.on_message(message)
+        except AuthorizationError as err:
+            self.on_error(not_authorized(self.settings, err, PUBLISHERS))
+        except KafkaError as err:
+            self.on_error(BrokerUnavailableError(
+                f"cannot follow {self.settings.topics.control}: {type(err).__name__}: {err}"))
 
     def _followed(self, value: bytes | None) -> Followed | None:
         try:

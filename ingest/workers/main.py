@@ -20,7 +20,7 @@ from ingest.workers.prompts import DatasetPrompts, GatewayPrompts, PromptSource,
 from ingest.workers.rollout import Progress, RolloutWorker
 from schemas.config import add_config_flags, config_from_args, setting_name
 from schemas.dotted import load_callable
-from schemas.errors import ConfigError, FilterLoadError
+from schemas.errors import ConfigError, FilterLoadError, RolloutlakeError
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,23 @@ async def _run(config: WorkerConfig, reward_fn, tokenizer, prompts: PromptSource
                                    tokenizer=tokenizer, reward_fn=reward_fn, prompts=prompts,
                                    terminal=sys.stderr)
             loop = asyncio.get_running_loop()
+            running = asyncio.ensure_future(worker.run())
+            unfollowed: list[RolloutlakeError] = []
+
+            def stop_unfollowed(error: RolloutlakeError) -> None:
+                unfollowed.append(error)
+                running.cancel()
+
             follower = ControlFollower(
                 settings, config.run,
-                lambda message: loop.call_soon_threadsafe(worker.on_control, message)).start()
-            return await worker.run()
+                lambda message: loop.call_soon_threadsafe(worker.on_control, message),
+                lambda error: loop.call_soon_threadsafe(stop_unfollowed, error)).start()
+            try:
+                return await running
+            except asyncio.CancelledError:
+                if unfollowed:
+                    raise unfollowed[0] from None
+                raise
     finally:
         if follower is not None:
             follower.stop()

@@ -13,6 +13,7 @@ line that says which.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -38,8 +39,10 @@ from kafka.errors import TopicAuthorizationFailedError
 from gateway.producer import REFUSED_RETRY_S
 from ingest.io.broker import EmbeddedBroker, free_port
 from ingest.io.kafka import KafkaSettings
+from ingest.io.lake import Lake
 from ingest.sdk.publisher import RolloutPublisher
-from schemas.errors import AccessRefusedError, BrokerUnavailableError
+from ingest.workers.control import ControlFollower
+from schemas.errors import AccessRefusedError, BrokerUnavailableError, RolloutlakeError
 from schemas.events import decode_event
 from tests.integration.pipeline import event, publish, rows, sample
 from tests.support.coalescing_proxy import coalescing_proxy
@@ -50,9 +53,13 @@ from tests.support.gateway_support import (
     sample_events,
 )
 from tests.support.suite_kafka import SUITE_BOOTSTRAP_TIMEOUT_MS, SUITE_BROKER_START_S
+from trainer.config import TrainerConfig
+from trainer.outputs import StepSink
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
 PLAIN_USER, PLAIN_PASSWORD = "gateway", f"plain-{uuid.uuid4().hex}"
+# A principal no test grants WRITE on any topic.
+TRAINER_USER, TRAINER_PASSWORD = "trainer", f"plain-{uuid.uuid4().hex}"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -109,7 +116,8 @@ def secured(tmp_path_factory) -> SecuredKafka:
     keystore = _make_broker_keystore(folder)
     sasl_port = free_port()
     plain_login = (f'org.apache.kafka.common.security.plain.PlainLoginModule required '
-                   f'user_{PLAIN_USER}="{PLAIN_PASSWORD}";')
+                   f'user_{PLAIN_USER}="{PLAIN_PASSWORD}" '
+                   f'user_{TRAINER_USER}="{TRAINER_PASSWORD}";')
     scram_login = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
     broker = EmbeddedBroker(free_port(), engine="kafka", kafka_listeners={"SASL_SSL": sasl_port},
                             kafka_properties={
@@ -349,11 +357,11 @@ def test_a_refused_gateway_says_whom_and_serves_once_granted(secured, lake_root,
 
 def test_a_gateway_refused_a_write_names_the_topic_and_keeps_its_connection(
         secured, lake_root, tmp_path):
-    """Allowed to see the topics but not to write them: the send is refused, the answer says
-    by whom, and the gateway's producer is sound, not replaced as after an outage."""
+    """Allowed to see the events topic but not to write it: the send is refused, the answer
+    says by whom, and the gateway's producer is sound, not replaced as after an outage."""
     prefix = f"sec{uuid.uuid4().hex[:8]}."
     secured.super_user(prefix).ensure_topics()
-    _grant(secured, PLAIN_USER, prefix, {"events": (), "runs": ()})
+    _grant(secured, PLAIN_USER, prefix, {"events": (), "runs": ("WRITE",)})
     topics = KafkaSettings(topic_prefix=prefix).topics
     config = gateway_config(_as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN"),
                             lake_root, tmp_path / "state")
@@ -381,6 +389,52 @@ def test_a_publisher_refused_a_write_is_told_by_whom(secured):
     assert str(refused.value) == (
         f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to topic "
         f"{settings.topics.runs}: grant it the ACLs of the publishers "
+        '(docs/kafka-security.md, "ACLs")')
+
+
+def test_a_worker_that_may_not_read_the_control_topic_is_told_by_whom(secured):
+    """The worker's control follower, refused its first fetch, reports it (the worker stops
+    on the report); its thread died with a traceback, and the worker went on deaf to the
+    seals and demands of its run."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    _grant(secured, PLAIN_USER, prefix, {**PUBLISHER_TOPIC_ACLS, "control": ()})
+    settings = _as_user(secured, prefix, PLAIN_USER, PLAIN_PASSWORD, "PLAIN")
+    reported: queue.Queue[RolloutlakeError] = queue.Queue()
+    follower = ControlFollower(settings, "run-a", on_message=print,
+                               on_error=reported.put).start()
+    try:
+        refused = reported.get(timeout=60)
+    finally:
+        follower.stop()
+    assert isinstance(refused, AccessRefusedError)
+    assert str(refused) == (
+        f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to topic "
+        f"{settings.topics.control}: grant it the ACLs of the publishers "
+        '(docs/kafka-security.md, "ACLs")')
+
+
+def test_a_trainer_that_may_not_write_the_control_topic_is_told_by_whom(secured, tmp_path):
+    """May WRITE no topic at all, so the broker refuses its idempotent producer an id:
+    kafka-python reports a plain KafkaError, which said that `weights_updated` was "not
+    acknowledged within 30 s"."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    _grant(secured, TRAINER_USER, prefix, {"control": ()})
+    settings = _as_user(secured, prefix, TRAINER_USER, TRAINER_PASSWORD, "PLAIN")
+    (tmp_path / "ds.json").write_text("{}")
+    config = TrainerConfig(lake=str(tmp_path / "lake"), run_id="run-t",
+                           deepspeed=tmp_path / "ds.json", output_dir=tmp_path / "out",
+                           wandb_mode="disabled", kafka=settings)
+    sink = StepSink(config, Lake(config.lake))
+    try:
+        with pytest.raises(AccessRefusedError) as refused:
+            sink.publish_weights(1, tmp_path / "out" / "step_1", 1)
+    finally:
+        sink.close()
+    assert str(refused.value) == (
+        f"the broker at {secured.sasl_ssl} refuses SASL user '{TRAINER_USER}' an idempotent "
+        "producer (it needs WRITE on a topic): grant it the ACLs of the trainer "
         '(docs/kafka-security.md, "ACLs")')
 
 
