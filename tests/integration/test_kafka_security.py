@@ -17,10 +17,12 @@ import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,7 @@ from schemas.errors import AccessRefusedError, BrokerUnavailableError, Rolloutla
 from schemas.events import decode_event
 from tests.integration.pipeline import event, publish, rows, sample
 from tests.support.coalescing_proxy import coalescing_proxy
+from tests.support.engine_server import write_dataset
 from tests.support.gateway_support import (
     RunningGateway,
     consume_all,
@@ -55,6 +58,7 @@ from tests.support.gateway_support import (
 from tests.support.suite_kafka import SUITE_BOOTSTRAP_TIMEOUT_MS, SUITE_BROKER_START_S
 from trainer.config import TrainerConfig
 from trainer.outputs import StepSink
+from trainer.tiny import tiny_tokenizer
 
 SCRAM_USER, SCRAM_PASSWORD = "rollouts", f"scram-{uuid.uuid4().hex}"
 PLAIN_USER, PLAIN_PASSWORD = "gateway", f"plain-{uuid.uuid4().hex}"
@@ -412,6 +416,49 @@ def test_a_worker_that_may_not_read_the_control_topic_is_told_by_whom(secured):
         f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to topic "
         f"{settings.topics.control}: grant it the ACLs of the publishers "
         '(docs/kafka-security.md, "ACLs")')
+
+
+class _EngineThatNeverAnswers(BaseHTTPRequestHandler):
+    """Healthy, and holds every generation request open: a worker stays in its first step."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        time.sleep(600)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_worker_refused_its_control_topic_stops_with_one_line(secured, tmp_path):
+    """The follower's report ends `rolloutlake worker`, which otherwise waited for seals it
+    could not hear (here, on an engine that never answers)."""
+    prefix = f"sec{uuid.uuid4().hex[:8]}."
+    secured.super_user(prefix).ensure_topics()
+    _grant(secured, PLAIN_USER, prefix, {**PUBLISHER_TOPIC_ACLS, "control": ()})
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), _EngineThatNeverAnswers)
+    engine.daemon_threads = True
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        result = _cli("worker", "--run", "run-a", "--prompt-data",
+                      str(write_dataset(tmp_path / "prompts.jsonl", [{"input": "1+1="}])),
+                      "--tokenizer", str(tmp_path / "tokenizer"), "--engine", "vllm",
+                      "--engine-url", f"http://127.0.0.1:{engine.server_address[1]}",
+                      "--custom-rm-path", "tests.support.user_rewards.digit_share_or_raise",
+                      "--bootstrap-servers", secured.sasl_ssl, "--topic-prefix", prefix,
+                      env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
+                                      sasl_password=PLAIN_PASSWORD))
+    finally:
+        engine.shutdown()
+    topics = KafkaSettings(topic_prefix=prefix).topics
+    assert _last_line(result) == (
+        f"rolloutlake worker: the broker at {secured.sasl_ssl} refuses SASL user "
+        f"'{PLAIN_USER}' access to topic {topics.control}: grant it the ACLs of the "
+        'publishers (docs/kafka-security.md, "ACLs")')
 
 
 def test_a_trainer_that_may_not_write_the_control_topic_is_told_by_whom(secured, tmp_path):
