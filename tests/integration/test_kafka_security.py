@@ -345,6 +345,11 @@ def test_a_refused_gateway_says_whom_and_serves_once_granted(secured, lake_root,
         assert refused.headers["Retry-After"] == "7"
         assert client.get("/healthz").json() == {"status": "ok", "kafka": "refused",
                                                  "kafka_error": refusal, "lake": lake_root}
+        unread = client.get("/v1/runs")  # the run registry reads the runs topic
+        assert (unread.status_code, unread.json()) == (503, {"detail": (
+            f"the broker at {secured.sasl_ssl} refuses SASL user '{PLAIN_USER}' access to "
+            f'topic {topics.runs}: grant it the ACLs of the publishers (docs/kafka-security.md, '
+            '"ACLs")')})
         _grant(secured, PLAIN_USER, prefix, PUBLISHER_TOPIC_ACLS)
         deadline = time.monotonic() + 3 * REFUSED_RETRY_S
         while client.get("/healthz").json()["kafka"] != "connected":
