@@ -113,11 +113,20 @@ class RunFeed:
             woken.set()
 
     async def _poll_while_watched(self) -> None:
+        failing = None  # the failure logged last, until a poll works again
         while self.listeners:
             try:
                 await self.poll_once()
-            except Exception:  # a transient lake error must not end every viewer's stream
-                log.exception("polling run %s failed; retrying", self.run_id)
+            except Exception as err:  # a transient lake error must not end every viewer's stream
+                # Logged once per cause: the polls retry four times a second.
+                if repr(err) != failing:
+                    log.exception("polling run %s failed; retrying every %g s", self.run_id,
+                                  POLL_S)
+                    failing = repr(err)
+            else:
+                if failing is not None:
+                    log.info("polling run %s works again", self.run_id)
+                    failing = None
             await asyncio.sleep(POLL_S)
 
     @contextlib.asynccontextmanager

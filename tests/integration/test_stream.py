@@ -7,11 +7,14 @@ stream) and a fresh one resumes from Last-Event-ID.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.feeds import POLL_S
 from ingest.io.lake import Lake
 from tests.support.metric_fixtures import (
     READER_TOKEN,
@@ -132,3 +135,27 @@ def test_streams_need_a_token_with_read_scope_on_the_run(kafka, lake_root, tmp_p
         denied = client.get(f"/v1/runs/{RUN}/metrics/stream", headers=other)
         assert denied.status_code == 403 and "read" in denied.json()["detail"]
         assert client.get(f"/v1/runs/{RUN}/decisions/stream", headers=other).status_code == 403
+
+
+def test_a_lake_that_fails_every_poll_is_logged_once_and_the_stream_resumes(
+        kafka, lake_root, tmp_path, caplog):
+    """The shared poller retries four times a second, and logged a traceback at every try
+    while the lake failed. Now it says so once, and once more when the lake reads again;
+    the stream stays open throughout and carries on with the next step."""
+    lake = Lake(lake_root)
+    write_steps(lake, RUN, range(0, 2))
+    log_dir = Path(lake.uri("steps")) / "_delta_log"
+    unreadable = log_dir / f"{max(int(p.stem) for p in log_dir.glob('*.json')) + 1:020d}.json"
+    with gateway(kafka, lake_root, tmp_path) as server, httpx.Client(
+        base_url=server.url, headers=AUTH, timeout=TIMEOUT
+    ) as client, client.stream("GET", f"/v1/runs/{RUN}/metrics/stream") as response:
+        stream = events(response)
+        assert [data["step"] for _, _, data in take(stream, 2)] == [0, 1]
+        unreadable.write_text("not a Delta commit\n")
+        time.sleep(8 * POLL_S)
+        unreadable.unlink()
+        write_steps(lake, RUN, range(2, 3))
+        assert [data["step"] for _, _, data in take(stream, 1)] == [2]
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.feeds"]
+    assert said == [f"polling run {RUN} failed; retrying every {POLL_S:g} s",
+                    f"polling run {RUN} works again"]
