@@ -7,7 +7,8 @@ which is anonymous and the only super user. Each test grants its principals, on 
 topics, the ACLs docs/kafka-security.md lists: with them the publisher's and the processor's
 principals carry a run into Delta, and the publisher's cannot write decisions. A wrong
 password, a wrong CA, plaintext to the TLS port and a missing ACL are each refused with one
-line that says which.
+line that says which: for the processor, the SDK, the gateway (which serves on, answering
+503, and publishes once the ACLs are granted), the worker and the trainer.
 """
 
 from __future__ import annotations
