@@ -18,12 +18,11 @@ import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -56,6 +55,7 @@ from tests.support.gateway_support import (
     gateway_config,
     sample_events,
 )
+from tests.support.loopback_http import loopback_http
 from tests.support.suite_kafka import SUITE_BOOTSTRAP_TIMEOUT_MS, SUITE_BROKER_START_S
 from trainer.config import TrainerConfig
 from trainer.outputs import StepSink
@@ -446,20 +446,15 @@ def test_a_worker_refused_its_control_topic_stops_with_one_line(secured, tmp_pat
     secured.super_user(prefix).ensure_topics()
     _grant(secured, PLAIN_USER, prefix, {**PUBLISHER_TOPIC_ACLS, "control": ()})
     tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
-    engine = ThreadingHTTPServer(("127.0.0.1", 0), _EngineThatNeverAnswers)
-    engine.daemon_threads = True
-    threading.Thread(target=engine.serve_forever, daemon=True).start()
-    try:
+    with loopback_http(_EngineThatNeverAnswers) as engine_url:
         result = _cli("worker", "--run", "run-a", "--prompt-data",
                       str(write_dataset(tmp_path / "prompts.jsonl", [{"input": "1+1="}])),
                       "--tokenizer", str(tmp_path / "tokenizer"), "--engine", "vllm",
-                      "--engine-url", f"http://127.0.0.1:{engine.server_address[1]}",
+                      "--engine-url", engine_url,
                       "--custom-rm-path", "tests.support.user_rewards.digit_share_or_raise",
                       "--bootstrap-servers", secured.sasl_ssl, "--topic-prefix", prefix,
                       env=secured.env(sasl_mechanism="PLAIN", sasl_username=PLAIN_USER,
                                       sasl_password=PLAIN_PASSWORD))
-    finally:
-        engine.shutdown()
     topics = KafkaSettings(topic_prefix=prefix).topics
     assert _last_line(result) == (
         f"rolloutlake worker: the broker at {secured.sasl_ssl} refuses SASL user "

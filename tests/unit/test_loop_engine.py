@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from ingest.commands.loop import LoopConfig, _load_policy, worker_command
 from ingest.io.kafka import KafkaSettings
+from tests.support.loopback_http import loopback_http
 
 KAFKA = KafkaSettings(bootstrap_servers="127.0.0.1:9092", topic_prefix="t.")
 GATEWAY = "http://127.0.0.1:8080"
@@ -57,12 +57,8 @@ def recording_engine() -> Iterator[tuple[str, list[tuple[str, object]]]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", calls
-    server.shutdown()
-    server.server_close()
+    with loopback_http(Handler) as url:
+        yield url, calls
 
 
 def test_a_running_sglang_engine_gets_the_policy_through_update_weights_from_disk(
